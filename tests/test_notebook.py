@@ -1,0 +1,51 @@
+"""The notebook and its py:percent twin: in sync, clean, and cheap to import."""
+
+import json
+import subprocess
+import sys
+import time
+
+import jupytext
+from conftest import ROOT
+
+NOTEBOOK = ROOT / "annotated_transformer.ipynb"
+TWIN = ROOT / "annotated_transformer.py"
+
+
+def cells(path):
+    return [(c.cell_type, c.source.strip()) for c in jupytext.read(path).cells]
+
+
+def test_notebook_and_twin_have_the_same_cells():
+    notebook, twin = cells(NOTEBOOK), cells(TWIN)
+    assert len(notebook) == len(twin), "run `make sync` after editing either file"
+    for index, (a, b) in enumerate(zip(notebook, twin, strict=True)):
+        assert a == b, f"cell {index} differs: run `make sync`"
+
+
+def test_committed_notebook_has_no_outputs():
+    notebook = json.loads(NOTEBOOK.read_text())
+    code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert code, "the notebook has code cells"
+    assert all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+
+
+def test_importing_the_twin_is_fast_and_trains_nothing():
+    probe = (
+        "import time, torch; t = time.perf_counter();"
+        "import annotated_transformer as at;"
+        "print(time.perf_counter() - t); print(hasattr(at, 'copy_model'))"
+    )
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"AT_PRESET": "smoke", "PATH": ""},
+    ).stdout.split("\n")
+    import_seconds = float(out[-3])
+    assert out[-2] == "False", "importing the twin must not train the copy model"
+    assert import_seconds < 5.0, f"import took {import_seconds:.1f}s"
+    assert time.perf_counter() - start < 30
