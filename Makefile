@@ -26,12 +26,12 @@ run: setup
 	$(MAKE) html
 
 test: setup
-	AT_PRESET=smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
+	AT_PRESET=smoke AT_BUILD_DIR=build/smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
 
 html: setup
 	@test -f build/$(NOTEBOOK) || { echo "build/$(NOTEBOOK) is missing: run 'make run' first"; exit 1; }
-	$(PY) -m jupyter nbconvert --to html build/$(NOTEBOOK) --output-dir build
+	$(PY) tools/export_html.py build/$(NOTEBOOK) build/annotated_transformer.html
 
 lint: setup
 	$(VENV)/bin/ruff check .

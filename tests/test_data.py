@@ -1,0 +1,186 @@
+"""Multi30k loading, tokenization cache, vocabulary and batching."""
+
+import gzip
+import hashlib
+import io
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+import annotated_transformer as at
+
+MIRROR = ROOT.parent / "shared" / "multi30k"
+
+
+def write_gz(path: Path, text: str | bytes) -> Path:
+    data = text.encode() if isinstance(text, str) else text
+    path.write_bytes(gzip.compress(data))
+    return path
+
+
+@pytest.fixture
+def mirror(tmp_path, monkeypatch):
+    """An empty MULTI30K_DIR; tests put files named tiny.<lang>.gz into it."""
+    folder = tmp_path / "mirror"
+    folder.mkdir()
+    monkeypatch.setenv("MULTI30K_DIR", str(folder))
+    return folder
+
+
+def test_missing_mirror_folder_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(at.DataError, match="is not a folder: point it at") as error:
+        at.load_pairs("train", tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_split_file(mirror):
+    with pytest.raises(at.DataError, match=r"tiny\.de\.gz is missing"):
+        at.load_pairs("tiny", mirror)
+
+
+def test_truncated_gzip(mirror):
+    full = gzip.compress(b"ein Hund\n" * 1000)
+    (mirror / "tiny.de.gz").write_bytes(full[: len(full) // 2])
+    write_gz(mirror / "tiny.en.gz", "a dog\n" * 1000)
+    with pytest.raises(at.DataError, match="is truncated: delete it"):
+        at.load_pairs("tiny", mirror)
+
+
+def test_corrupt_gzip(mirror):
+    (mirror / "tiny.de.gz").write_bytes(b"this is not gzip at all")
+    write_gz(mirror / "tiny.en.gz", "a dog\n")
+    with pytest.raises(at.DataError, match="is not a valid gzip file"):
+        at.load_pairs("tiny", mirror)
+
+
+def test_checksum_mismatch_is_reported_and_the_file_kept(mirror, monkeypatch):
+    path = write_gz(mirror / "tiny.de.gz", "ein Hund\n")
+    write_gz(mirror / "tiny.en.gz", "a dog\n")
+    monkeypatch.setitem(at.SHA256, "tiny.de.gz", "0" * 64)
+    before = path.read_bytes()
+    with pytest.raises(at.DataError, match="wrong SHA-256"):
+        at.load_pairs("tiny", mirror)
+    assert path.read_bytes() == before
+
+
+def test_line_counts_must_match(mirror):
+    write_gz(mirror / "tiny.de.gz", "ein Hund\nzwei Hunde\n")
+    write_gz(mirror / "tiny.en.gz", "a dog\n")
+    with pytest.raises(at.DataError, match="has 2 lines but .* has 1"):
+        at.load_pairs("tiny", mirror)
+
+
+def test_text_must_be_utf8(mirror):
+    write_gz(mirror / "tiny.de.gz", "ein Hund\n".encode("utf-16"))
+    write_gz(mirror / "tiny.en.gz", "a dog\n")
+    with pytest.raises(at.DataError, match="is not UTF-8 text"):
+        at.load_pairs("tiny", mirror)
+
+
+def test_empty_lines_are_skipped_with_a_count(mirror, capsys):
+    write_gz(mirror / "tiny.de.gz", "ein Hund\n\nzwei Hunde\n")
+    write_gz(mirror / "tiny.en.gz", "a dog\nsomething\ntwo dogs\n")
+    assert at.load_pairs("tiny", mirror) == [("ein Hund", "a dog"), ("zwei Hunde", "two dogs")]
+    assert "skipped 1 pairs with an empty line" in capsys.readouterr().out
+
+
+def test_download_is_checked_and_atomic(tmp_path, monkeypatch):
+    """A download cut off halfway leaves no file under the real name; a retry succeeds."""
+    payload = gzip.compress(b"ein Hund\n")
+    monkeypatch.setitem(at.SHA256, "tiny.de.gz", hashlib.sha256(payload).hexdigest())
+
+    class Broken(io.BytesIO):
+        def read(self, *args):
+            raise ConnectionResetError("connection reset halfway")
+
+    responses = [Broken(payload[:5]), io.BytesIO(payload)]
+    monkeypatch.setattr(at.urllib.request, "urlopen", lambda url, timeout: responses.pop(0))
+    target = tmp_path / "tiny.de.gz"
+    with pytest.raises(at.DataError, match="could not download"):
+        at.download("tiny.de.gz", target)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    at.download("tiny.de.gz", target)
+    assert target.read_bytes() == payload
+
+
+def test_vocabulary_json_round_trip(tmp_path):
+    vocab = at.build_vocab([["Ein", "Hund", "läuft"], ["Ein", "Hund"], ["läuft"]], min_freq=2)
+    at.save_vocab(vocab, tmp_path / "v.json")
+    loaded = at.load_vocab(tmp_path / "v.json")
+    assert loaded.itos == vocab.itos and loaded.fingerprint() == vocab.fingerprint()
+    assert loaded.encode(["Hund", "Katze"]) == [vocab.stoi["Hund"], vocab.unk_id]
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(at.DataError, match="not a vocabulary file"):
+        at.load_vocab(tmp_path / "bad.json")
+
+
+@pytest.fixture(scope="module")
+def real_train(tmp_path_factory):
+    """The real training split, encoded, as the cpu preset sees it."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MULTI30K_DIR", str(MIRROR))
+    settings = at.get_settings("cpu")
+    text = at.load_pairs("train", at.DATA_DIR)
+    tokens = at.cached_tokens("train", text, at.make_tokenizers(), at.DATA_DIR)
+    vocabs = at.vocabularies(tokens, settings.min_freq, tmp_path_factory.mktemp("vocab"))
+    mp.undo()
+    return settings, vocabs, at.encode_pairs(tokens, vocabs, settings.max_len)
+
+
+def test_vocabulary_comes_from_training_data_only(real_train):
+    _, vocabs, _ = real_train
+    assert vocabs["de"].itos[:4] == list(at.SPECIALS)
+    assert 5000 < len(vocabs["en"]) < len(vocabs["de"]) < 10000
+
+
+@pytest.mark.parametrize("preset", ["smoke", "cpu", "gpu"])
+def test_padding_efficiency_on_the_real_split(real_train, preset):
+    _, _, pairs = real_train
+    budget = at.get_settings(preset).batch_tokens
+    batches = at.bucket_batches(pairs, budget, seed=1, epoch=0)
+    assert at.padding_efficiency(pairs, batches) >= 0.9
+
+
+def test_each_pair_once_per_epoch_and_reshuffled(real_train):
+    settings, _, pairs = real_train
+    epochs = [at.bucket_batches(pairs, settings.batch_tokens, seed=7, epoch=e) for e in (0, 1)]
+    for batches in epochs:
+        assert sorted(i for b in batches for i in b) == list(range(len(pairs)))
+        for b in batches:  # the budget holds, padding included
+            longest = max(max(len(pairs[i][0]), len(pairs[i][1])) for i in b)
+            assert longest * len(b) <= settings.batch_tokens or len(b) == 1
+    assert epochs[0] != epochs[1]
+    assert epochs[0] == at.bucket_batches(pairs, settings.batch_tokens, seed=7, epoch=0)
+
+
+def test_collated_masks(real_train):
+    _, vocabs, pairs = real_train
+    pad = vocabs["en"].pad_id
+    batch = at.collate(pairs, [0, 1, 2, 3], pad)
+    for row, i in enumerate([0, 1, 2, 3]):
+        src, tgt = pairs[i]
+        assert batch.src_mask[row, 0].sum() == len(src)
+        assert batch.src[row, : len(src)].tolist() == src
+        assert (batch.tgt_out[row] != pad).sum() == len(tgt) - 1
+    assert batch.ntokens == sum(len(pairs[i][1]) - 1 for i in range(4))
+    assert batch.tgt_mask.shape[1:] == (batch.tgt_in.size(1), batch.tgt_in.size(1))
+
+
+def test_long_sentences_are_dropped_with_a_count(capsys):
+    vocabs = {lang: at.build_vocab([["a"]], min_freq=1) for lang in ("de", "en")}
+    tokens = {"de": [["a"], ["a"] * 10], "en": [["a"], ["a"]]}
+    pairs = at.encode_pairs(tokens, vocabs, max_len=5)
+    assert len(pairs) == 1 and "dropped 1 of 2 pairs longer than 5" in capsys.readouterr().out
+
+
+def test_bleu_of_a_hypothesis_against_itself_is_100():
+    refs = ["A man in a blue shirt is standing on a ladder.", "Two dogs play in the snow."]
+    tokens = [[t.text for t in at.make_tokenizers()["en"](r)] for r in refs]
+    scores = at.bleu_scores(tokens, refs, tokens)
+    assert scores["bleu"] == pytest.approx(100.0)
+    assert scores["bleu_lowercase_tokenized"] == pytest.approx(100.0)
+    assert "case:mixed" in scores["signature"] and "tok:13a" in scores["signature"]

@@ -1,0 +1,112 @@
+"""The teaching page: exported offline, every chart renders in headless Chromium."""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from conftest import ROOT
+from nbclient import NotebookClient
+
+sys.path.insert(0, str(ROOT / "tools"))
+import export_html  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BUILD = ROOT / "build" / "smoke"
+OFFLINE_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--no-first-run",
+    # no network: every host name fails to resolve and any proxy use goes nowhere
+    "--host-resolver-rules=MAP * ~NOTFOUND",
+    "--proxy-server=127.0.0.1:9",
+]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    """The notebook executed with the smoke preset and exported; (html path, chart count)."""
+    notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=900, resources={"metadata": {"path": str(ROOT)}}).execute()
+    executed = tmp_path_factory.mktemp("page") / "executed.ipynb"
+    nbformat.write(notebook, executed)
+    html = BUILD / "annotated_transformer.html"
+    charts = export_html.export(executed, html)
+    return notebook, html, charts
+
+
+def test_no_output_holds_a_traceback(page):
+    """IPython shows a chart that fails to render as a traceback, not as an error."""
+    notebook, _, _ = page
+    texts = [str(o) for cell in notebook.cells for o in cell.get("outputs", [])]
+    assert [t for t in texts if "Traceback" in t] == []
+
+
+def test_page_is_self_contained(page):
+    notebook, html, charts = page
+    text = html.read_text(encoding="utf-8")
+    assert charts == len(export_html.chart_specs(notebook)) == 9
+    assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
+    assert "window.vegaEmbed" in text and "<math" in text
+
+
+def test_heatmaps_have_tooltips_for_every_field(page):
+    notebook, _, _ = page
+    heatmaps = [s for s in export_html.chart_specs(notebook) if "facet" in s]
+    assert len(heatmaps) == 3  # encoder, decoder and encoder-decoder attention
+    for spec in heatmaps:
+        fields = {t["field"] for t in spec["spec"]["encoding"]["tooltip"]}
+        assert fields == {"query", "key", "layer", "head", "weight"}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
+def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
+    _, html, charts = page
+    run = subprocess.run(
+        [
+            CHROMIUM,
+            *OFFLINE_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=30000",
+            "--dump-dom",
+            html.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    rendered = len(re.findall(r'<svg[^>]*class="marks"', run.stdout))
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
+    assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {console}"
+    assert console == [], f"the page logged: {console}"
+    # a copy of the page that shows only the cells of the three heatmaps (the last charts)
+    heatmaps = ", ".join(f"#altair-chart-{i}" for i in range(charts - 3, charts))
+    style = f"<style>.jp-Cell:not(:has({heatmaps})) {{ display: none; }}</style>"
+    head, tail = html.read_text(encoding="utf-8").rsplit("</body>", 1)  # the last one
+    scrolled = tmp_path / "heatmaps.html"
+    scrolled.write_text(head + style + "</body>" + tail)
+    screenshot = BUILD / "heatmap_screenshot.png"
+    subprocess.run(
+        [
+            CHROMIUM,
+            *OFFLINE_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile2'}",
+            "--virtual-time-budget=30000",
+            "--window-size=1400,1600",
+            f"--screenshot={screenshot}",
+            scrolled.as_uri(),
+        ],
+        capture_output=True,
+        timeout=180,
+        check=True,
+    )
+    assert screenshot.stat().st_size > 20_000  # a blank page compresses to under 10 kB

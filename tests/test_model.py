@@ -1,0 +1,252 @@
+"""The model's parts against PyTorch's own implementations of the same maths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import annotated_transformer as at
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def lengths_to_mask(lengths, size):
+    """(B,) lengths -> (B, size) boolean mask, True on the first `length` positions."""
+    return torch.arange(size).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+
+def causal(size):
+    """(size, size) boolean mask, True where query i may see key j <= i."""
+    return torch.ones(size, size, dtype=torch.bool).tril()
+
+
+@torch.no_grad()
+def copy_attention(ours: at.MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
+    """Copy our W^Q, W^K, W^V and W^O into PyTorch's packed in_proj and out_proj."""
+    ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+    ref.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+    ref.out_proj.weight.copy_(ours.w_o.weight)
+    ref.out_proj.bias.copy_(ours.w_o.bias)
+
+
+@torch.no_grad()
+def randomise_norms(module: nn.Module) -> None:
+    """Give every LayerNorm non-default weights, so a swapped norm would be noticed."""
+    for norm in module.modules():
+        if isinstance(norm, nn.LayerNorm):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.normal_()
+
+
+# --- scaled dot-product attention -------------------------------------------------------
+
+B, H, T, D_K = 2, 3, 5, 4
+
+
+def random_qkv(t_q=T, t_k=T):
+    return (
+        torch.randn(B, H, t_q, D_K),
+        torch.randn(B, H, t_k, D_K),
+        torch.randn(B, H, t_k, D_K),
+    )
+
+
+def test_attention_without_mask_equals_sdpa():
+    """No mask: the same output as PyTorch's fused kernel, and weights that sum to 1."""
+    q, k, v = random_qkv(t_q=3, t_k=T)
+    out, weights = at.attention(query=q, key=k, value=v)
+    assert out.shape == (B, H, 3, D_K) and weights.shape == (B, H, 3, T)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=ATOL)
+    assert torch.allclose(weights.sum(-1), torch.ones(B, H, 3))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        causal(T),  # (T, T), broadcast over batch and heads
+        lengths_to_mask([3, 5], T)[:, None, None, :],  # (B, 1, 1, T) key padding
+        lengths_to_mask([2, 4], T)[:, None, None, :] & causal(T),  # both at once
+    ],
+    ids=["causal", "padding", "causal-and-padding"],
+)
+def test_attention_with_mask_equals_sdpa(mask):
+    """A boolean mask (True = may attend) means the same in both; masked keys get 0 weight."""
+    q, k, v = random_qkv()
+    out, weights = at.attention(query=q, key=k, value=v, mask=mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(out, expected, atol=ATOL)
+    assert (weights.masked_select(~mask.expand_as(weights)) == 0).all()
+    assert torch.allclose(weights.sum(-1), torch.ones(B, H, T))
+
+
+# --- multi-head attention ---------------------------------------------------------------
+
+D_MODEL, HEADS = 16, 4
+
+
+def mha_pair(use_sdpa):
+    ours = at.MultiHeadAttention(HEADS, D_MODEL, 0.0, use_sdpa).eval()
+    ref = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
+    copy_attention(ours, ref)
+    return ours, ref
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_multi_head_self_attention_equals_pytorch(use_sdpa):
+    """Self-attention with a causal mask and a key padding mask, as in the decoder."""
+    ours, ref = mha_pair(use_sdpa)
+    x = torch.randn(2, 6, D_MODEL)
+    keep = lengths_to_mask([4, 6], 6)  # (B, T)
+    mask = keep.unsqueeze(1) & causal(6)  # (B, T, T): our convention
+    out = ours(query=x, key=x, value=x, mask=mask)
+    expected, _ = ref(x, x, x, attn_mask=~causal(6), key_padding_mask=~keep, need_weights=False)
+    assert out.shape == (2, 6, D_MODEL)
+    assert torch.allclose(out, expected, atol=ATOL)
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_multi_head_cross_attention_equals_pytorch(use_sdpa):
+    """Queries and keys of different lengths, with a (B, 1, T_k) key padding mask."""
+    ours, ref = mha_pair(use_sdpa)
+    query, memory = torch.randn(2, 3, D_MODEL), torch.randn(2, 7, D_MODEL)
+    keep = lengths_to_mask([7, 4], 7)  # (B, T_k)
+    out = ours(query=query, key=memory, value=memory, mask=keep.unsqueeze(1))
+    expected, _ = ref(query, memory, memory, key_padding_mask=~keep, need_weights=False)
+    assert out.shape == (2, 3, D_MODEL)
+    assert torch.allclose(out, expected, atol=ATOL)
+    unmasked, _ = ref(query, memory, memory, need_weights=False)
+    assert not torch.allclose(out, unmasked, atol=1e-3), "the padding mask must matter"
+
+
+def test_multi_head_attention_rejects_indivisible_width():
+    """d_model must split evenly into h heads."""
+    with pytest.raises(ValueError, match="d_model=10.*h=4"):
+        at.MultiHeadAttention(4, 10, 0.0)
+
+
+# --- encoder and decoder layers ---------------------------------------------------------
+
+D_FF = 32
+
+
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
+def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
+    """Our encoder layer computes nn.TransformerEncoderLayer, padded positions included."""
+    ours = at.EncoderLayer(D_MODEL, HEADS, D_FF, 0.0, pre_norm=pre_norm, use_sdpa=use_sdpa)
+    ref = nn.TransformerEncoderLayer(
+        D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
+    )
+    randomise_norms(ours)
+    copy_attention(ours.self_attn, ref.self_attn)
+    ref.linear1.load_state_dict(ours.feed_forward.linear1.state_dict())
+    ref.linear2.load_state_dict(ours.feed_forward.linear2.state_dict())
+    ref.norm1.load_state_dict(ours.attn_sublayer.norm.state_dict())
+    ref.norm2.load_state_dict(ours.ff_sublayer.norm.state_dict())
+    ours.eval(), ref.eval()
+
+    x = torch.randn(2, 5, D_MODEL)
+    keep = lengths_to_mask([3, 5], 5)  # the first sentence ends in two padding tokens
+    out = ours(x, keep.unsqueeze(1))
+    # With autograd off, PyTorch takes its fused "fast path"; check it as well as the
+    # plain path. Padded positions still attend to the real tokens in both, so every
+    # position, padding included, must agree (nothing is zeroed).
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            expected = ref(x, src_key_padding_mask=~keep)
+        assert torch.allclose(out, expected, atol=ATOL), f"grad enabled: {grad}"
+
+
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
+def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
+    """Our decoder layer computes nn.TransformerDecoderLayer with the same masks."""
+    ours = at.DecoderLayer(D_MODEL, HEADS, D_FF, 0.0, pre_norm=pre_norm, use_sdpa=use_sdpa)
+    ref = nn.TransformerDecoderLayer(
+        D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
+    )
+    randomise_norms(ours)
+    copy_attention(ours.self_attn, ref.self_attn)
+    copy_attention(ours.cross_attn, ref.multihead_attn)
+    ref.linear1.load_state_dict(ours.feed_forward.linear1.state_dict())
+    ref.linear2.load_state_dict(ours.feed_forward.linear2.state_dict())
+    ref.norm1.load_state_dict(ours.self_sublayer.norm.state_dict())
+    ref.norm2.load_state_dict(ours.cross_sublayer.norm.state_dict())
+    ref.norm3.load_state_dict(ours.ff_sublayer.norm.state_dict())
+    ours.eval(), ref.eval()
+
+    x, memory = torch.randn(2, 4, D_MODEL), torch.randn(2, 6, D_MODEL)
+    src_keep = lengths_to_mask([6, 3], 6)  # (B, S)
+    tgt_keep = lengths_to_mask([2, 4], 4)  # (B, T)
+    tgt_mask = tgt_keep.unsqueeze(1) & causal(4)  # (B, T, T)
+    out = ours(x, memory, src_keep.unsqueeze(1), tgt_mask)
+    expected = ref(
+        x,
+        memory,
+        tgt_mask=~causal(4),
+        memory_key_padding_mask=~src_keep,
+        tgt_key_padding_mask=~tgt_keep,
+    )
+    # Every query row keeps at least position 0, so padded positions agree as well.
+    assert out.shape == (2, 4, D_MODEL)
+    assert torch.allclose(out, expected, atol=ATOL)
+
+
+# --- the assembled model ----------------------------------------------------------------
+
+SRC_V, TGT_V, PAD = 11, 13, 0
+SMALL = {"N": 2, "d_model": D_MODEL, "d_ff": D_FF, "h": HEADS, "dropout": 0.0}
+
+
+def small_batch():
+    """Two sentence pairs; the second of each is padded."""
+    src = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 2, PAD, PAD]])
+    tgt = torch.tensor([[1, 9, 10, 11, 2], [1, 12, 2, PAD, PAD]])
+    return at.Batch(src, tgt, PAD)
+
+
+def test_make_model_rejects_indivisible_width():
+    """The error names both numbers that do not fit together."""
+    with pytest.raises(ValueError, match="d_model=30") as error:
+        at.make_model(SRC_V, TGT_V, N=1, d_model=30, d_ff=8, h=4)
+    assert "h=4" in str(error.value)
+
+
+def test_small_model_output_shape_and_generator_distribution():
+    """Decoder states are (B, T, d_model); the generator gives log-probs summing to 1."""
+    model = at.make_model(SRC_V, TGT_V, **SMALL).eval()
+    batch = small_batch()
+    out = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    assert out.shape == (2, 4, D_MODEL)
+    assert torch.isfinite(out).all()
+    log_probs = model.generator(out)
+    assert log_probs.shape == (2, 4, TGT_V)
+    assert torch.allclose(log_probs.exp().sum(-1), torch.ones(2, 4), atol=1e-5)
+
+
+def test_tie_output_shares_the_target_embedding():
+    """tie_output (the default) makes the projection and target embedding one tensor."""
+    tied = at.make_model(SRC_V, TGT_V, **SMALL)
+    assert tied.generator.proj.weight is tied.tgt_embed[0].embedding.weight
+    untied = at.make_model(SRC_V, TGT_V, **SMALL, tie_output=False)
+    assert untied.generator.proj.weight is not untied.tgt_embed[0].embedding.weight
+    shared = TGT_V * D_MODEL
+    assert at.count_parameters(untied) - at.count_parameters(tied) == shared
+
+
+@pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
+def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
+    """The use_sdpa switch changes the kernel, not the function the model computes."""
+    plain = at.make_model(SRC_V, TGT_V, **SMALL, pre_norm=pre_norm, use_sdpa=False).eval()
+    fused = at.make_model(SRC_V, TGT_V, **SMALL, pre_norm=pre_norm, use_sdpa=True).eval()
+    fused.load_state_dict(plain.state_dict())
+    assert fused.decoder.layers[0].cross_attn.use_sdpa
+    assert not plain.decoder.layers[0].cross_attn.use_sdpa
+    batch = small_batch()
+    args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    assert torch.allclose(fused(*args), plain(*args), atol=ATOL)

@@ -1,0 +1,347 @@
+"""Training machinery: batches, the loss, the schedule, run_epoch and greedy decoding."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import annotated_transformer as at
+
+PAD, START, END, V = 0, 1, 2, 11
+TINY = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    at.set_seed(0)
+
+
+def tiny_model(**options):
+    return at.make_model(V, V, **{**TINY, **options})
+
+
+def random_batch(batch_size=2, length=4):
+    """<s> w_1 .. w_length </s> pairs with no padding: every batch has the same token count."""
+
+    def sentence():
+        start, end = torch.full((batch_size, 1), START), torch.full((batch_size, 1), END)
+        return torch.cat([start, torch.randint(3, V, (batch_size, length)), end], dim=1)
+
+    return at.Batch(sentence(), sentence(), PAD)
+
+
+def concat(batches):
+    """One batch holding the sentence pairs of several equally long batches."""
+    src = torch.cat([b.src for b in batches])
+    # the full target is tgt_in followed by the last token of tgt_out
+    tgt = torch.cat([torch.cat([b.tgt_in, b.tgt_out[:, -1:]], 1) for b in batches])
+    return at.Batch(src, tgt, PAD)
+
+
+# --- Batch ------------------------------------------------------------------------------
+
+
+def test_batch_shifts_target_and_builds_masks():
+    """tgt_in drops the last token, tgt_out the first; masks are (B,1,S) and (B,T,T)."""
+    src = torch.tensor([[1, 5, 6, 2], [1, 7, 2, PAD]])
+    tgt = torch.tensor([[1, 8, 9, 10, 2], [1, 8, 2, PAD, PAD]])
+    batch = at.Batch(src, tgt, PAD)
+    assert torch.equal(batch.tgt_in, tgt[:, :-1]) and torch.equal(batch.tgt_out, tgt[:, 1:])
+    assert batch.src_mask.shape == (2, 1, 4) and batch.src_mask.dtype == torch.bool
+    assert batch.src_mask[:, 0].tolist() == [[True] * 4, [True, True, True, False]]
+    assert batch.tgt_mask.shape == (2, 4, 4)
+    assert torch.equal(batch.tgt_mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
+    # the second target's input is <s> 8 2 <pad>: nobody may look at the padding key
+    assert batch.tgt_mask[1, :, 3].tolist() == [False] * 4
+    assert batch.tgt_mask[1, 2].tolist() == [True, True, True, False]
+    assert batch.ntokens == 4 + 2  # tgt_out is [8 9 10 2] and [8 2 <pad> <pad>]
+
+
+# --- label smoothing --------------------------------------------------------------------
+
+
+def reference_label_smoothing(log_probs, target, vocab_size, pad_id, eps):
+    """Summed KL(q || p), written out from the definition, one row at a time."""
+    total = 0.0
+    for row, answer in zip(log_probs.tolist(), target.tolist(), strict=True):
+        if answer == pad_id:
+            continue  # an all-zero target row contributes nothing
+        q = [0.0 if w == pad_id else eps / (vocab_size - 2) for w in range(vocab_size)]
+        q[answer] = 1.0 - eps
+        cross_entropy = -sum(qw * lp for qw, lp in zip(q, row, strict=True))
+        entropy = -sum(qw * math.log(qw) for qw in q if qw > 0)  # 0 log 0 = 0
+        total += cross_entropy - entropy
+    return total
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+def test_label_smoothing_equals_kl_from_the_definition(eps):
+    """The module's loss equals cross-entropy minus entropy of the smoothed target."""
+    criterion = at.LabelSmoothing(vocab_size=7, pad_id=PAD, smoothing=eps)
+    log_probs = F.log_softmax(torch.randn(6, 7) * 3, dim=-1)
+    target = torch.tensor([3, PAD, 1, 6, PAD, 2])
+    expected = reference_label_smoothing(log_probs, target, 7, PAD, eps)
+    assert expected > 0
+    assert math.isclose(criterion(log_probs, target).item(), expected, rel_tol=1e-5)
+
+
+def test_label_smoothing_is_zero_for_a_perfect_prediction():
+    """Predicting exactly the smoothed target costs nothing (the entropy term's job)."""
+    criterion = at.LabelSmoothing(vocab_size=6, pad_id=PAD, smoothing=0.2)
+    target = torch.tensor([4, 1, PAD, 5])
+    smoothed = criterion.smoothed_target(target)
+    assert torch.allclose(smoothed[target != PAD].sum(-1), torch.ones(3))
+    # The perfect prediction gives padding probability 0; stand in a tiny one, since
+    # log(0) = -inf would make the KL's 0 * (-inf) undefined.
+    log_probs = smoothed.clamp_min(1e-30).log()
+    assert torch.allclose(criterion(log_probs, target), torch.tensor(0.0), atol=1e-6)
+    assert criterion(F.log_softmax(torch.randn(4, 6), -1), target) > 0.01
+
+
+def test_label_smoothing_is_finite_for_very_confident_logits():
+    """Confident predictions, right or wrong, give a large but finite loss."""
+    criterion = at.LabelSmoothing(vocab_size=5, pad_id=PAD, smoothing=0.1)
+    logits = torch.zeros(3, 5)
+    logits[0, 2] = 1e4  # sure and right
+    logits[1, 3] = 1e4  # sure and wrong
+    logits[2] = torch.tensor([0.0, -1e30, 1e30, 0.0, 0.0])  # as confident as floats allow
+    loss = criterion(F.log_softmax(logits, dim=-1), torch.tensor([2, 2, 2]))
+    assert torch.isfinite(loss) and loss > 1e3
+
+
+# --- learning-rate schedule and optimizer ----------------------------------------------
+
+
+@pytest.mark.parametrize("d_model, warmup, factor", [(512, 4000, 1.0), (32, 40, 2.0)])
+def test_rate_matches_the_papers_formula(d_model, warmup, factor):
+    """lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    for step in (1, 10, warmup - 1, warmup, warmup + 1, 10 * warmup):
+        expected = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5) * factor
+        got = at.rate(step, d_model=d_model, warmup=warmup, factor=factor)
+        assert math.isclose(got, expected, rel_tol=1e-12), step
+
+
+def test_rate_peaks_at_the_end_of_warmup():
+    """Over steps 1 .. 3 * warmup the largest learning rate is at step == warmup."""
+    warmup = 50
+    rates = [at.rate(s, d_model=64, warmup=warmup) for s in range(1, 3 * warmup + 1)]
+    assert rates.index(max(rates)) + 1 == warmup
+
+
+def test_make_optimizer_follows_rate():
+    """Adam(0.9, 0.98, 1e-9); after k schedule steps the learning rate is rate(k + 1)."""
+    settings = at.Settings(name="t", d_model=32, warmup=5, lr_factor=2.0)
+    optimizer, schedule = at.make_optimizer(nn.Linear(2, 2), settings)
+    assert isinstance(optimizer, torch.optim.Adam)
+    assert isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
+    group = optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9
+    for k in range(12):
+        expected = at.rate(k + 1, d_model=32, warmup=5, factor=2.0)
+        assert math.isclose(group["lr"], expected, rel_tol=1e-9), k
+        optimizer.step()  # no gradients: a no-op that keeps LambdaLR from warning
+        schedule.step()
+
+
+# --- run_epoch and gradient accumulation -----------------------------------------------
+
+
+def sgd(model, lr=0.5):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def adam(model):
+    # The key projection's bias shifts every score of a row by the same amount, which the
+    # softmax cancels: its true gradient is 0 and what backward returns is round-off.
+    # Adam divides by the gradient's own size and would turn that noise into a full step,
+    # so leave those biases out of the comparison by freezing them.
+    for name, p in model.named_parameters():
+        if name.endswith("w_k.bias"):
+            p.requires_grad_(False)
+    settings = at.Settings(name="t", d_model=TINY["d_model"], warmup=1, lr_factor=0.1)
+    return at.make_optimizer(model, settings)
+
+
+def train(model, batches, make_opt, accum_iter):
+    optimizer, schedule = make_opt(model)
+    state = at.TrainState()
+    criterion = at.LabelSmoothing(V, PAD, smoothing=0.1)
+    at.run_epoch(
+        batches,
+        model,
+        criterion,
+        optimizer=optimizer,
+        schedule=schedule,
+        accum_iter=accum_iter,
+        state=state,
+    )
+    return state
+
+
+def assert_same_parameters(a, b, atol=1e-6):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=atol), name
+
+
+def largest_change(before, after):
+    pairs = zip(before.parameters(), after.parameters(), strict=True)
+    return max((p - q).abs().max().item() for p, q in pairs)
+
+
+@pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd", "adam"])
+def test_accumulated_micro_batches_equal_one_big_batch(make_opt):
+    """k micro-batches with accum_iter=k make the same update as their concatenation."""
+    micro = [random_batch() for _ in range(3)]
+    start = tiny_model()
+    accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
+    assert train(accumulated, micro, make_opt, accum_iter=3).step == 1
+    assert train(whole, [concat(micro)], make_opt, accum_iter=1).step == 1
+    assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
+    assert_same_parameters(accumulated, whole)
+
+
+def test_short_last_group_gets_its_own_full_step():
+    """3 micro-batches, accum_iter=2: a step on the first two, then one on the third alone."""
+    micro = [random_batch() for _ in range(3)]
+    start = tiny_model()
+    accumulated, by_hand = copy.deepcopy(start), copy.deepcopy(start)
+    assert train(accumulated, micro, sgd, accum_iter=2).step == 2
+    optimizer, schedule = sgd(by_hand)
+    for group in ([concat(micro[:2])], micro[2:]):
+        at.run_epoch(
+            group, by_hand, at.LabelSmoothing(V, PAD, 0.1), optimizer=optimizer, schedule=schedule
+        )
+    assert largest_change(start, by_hand) > 1e-3
+    assert_same_parameters(accumulated, by_hand)
+
+
+def test_step_counting_with_accumulation():
+    """5 micro-batches, accum_iter=2: 3 optimizer and 3 schedule steps, 5 micro-batches."""
+    model = tiny_model()
+    optimizer, schedule = sgd(model, lr=0.01)
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(schedule.last_epoch))
+    state = at.TrainState()
+    batches = [random_batch() for _ in range(5)]
+    at.run_epoch(
+        batches,
+        model,
+        at.LabelSmoothing(V, PAD, 0.1),
+        optimizer=optimizer,
+        schedule=schedule,
+        accum_iter=2,
+        state=state,
+    )
+    assert state.step == 3 and steps == [0, 1, 2], "one schedule step after each optimizer step"
+    assert schedule.last_epoch == 3
+    assert state.micro_batches == 5 and state.samples == 10
+    assert state.tokens == sum(b.ntokens for b in batches)
+    assert all(p.grad is None for p in model.parameters()), "no gradient is left over"
+
+
+def test_evaluation_changes_nothing_and_keeps_no_graph():
+    """Without an optimizer: a float loss, no_grad, eval mode, no .grad, same parameters."""
+    model = tiny_model(dropout=0.3)
+    before = copy.deepcopy(model)
+    grad_enabled = []
+    model.register_forward_hook(lambda *_: grad_enabled.append(torch.is_grad_enabled()))
+    batches = [random_batch() for _ in range(2)]
+    loss = at.run_epoch(batches, model, at.LabelSmoothing(V, PAD, 0.1))
+    assert isinstance(loss, float) and math.isfinite(loss) and loss > 0
+    assert grad_enabled == [False, False]
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert_same_parameters(model, before, atol=0.0)
+    again = at.run_epoch(batches, model, at.LabelSmoothing(V, PAD, 0.1))
+    assert again == loss, "eval mode: dropout is off, so the loss is deterministic"
+
+
+# --- greedy decoding --------------------------------------------------------------------
+
+
+class ScriptedGenerator(nn.Module):
+    """Stands in for model.generator: at call t, row b predicts script[b][t]."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.calls = torch.tensor(script), 0
+
+    def forward(self, x):
+        words = self.script[:, self.calls]
+        self.calls += 1
+        return F.log_softmax(F.one_hot(words, V).float() * 10, dim=-1)
+
+
+def source():
+    src = torch.tensor([[START, 5, 6, END], [START, 7, END, PAD], [START, 8, 9, END]])
+    return src, (src != PAD).unsqueeze(-2)
+
+
+def test_greedy_decode_shape_and_start_symbol():
+    """An untrained model: (B, <= max_len) ids that start with <s>."""
+    src, src_mask = source()
+    ys = at.greedy_decode(
+        tiny_model(), src, src_mask, max_len=6, start_id=START, end_id=END, pad_id=PAD
+    )
+    assert ys.dtype == torch.long and ys.size(0) == 3 and 2 <= ys.size(1) <= 6
+    assert (ys[:, 0] == START).all()
+
+
+def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
+    """A finished sentence gets padding; decoding ends once every sentence has </s>."""
+    model = tiny_model()
+    model.generator = ScriptedGenerator(
+        [
+            [5, END, 6, 7, 8, 9, 10],  # ends at step 2, then would go on talking
+            [5, 6, 7, END, 8, 9, 10],  # ends at step 4
+            [END, 3, 4, 5, 6, 7, 8],  # ends at once
+        ]
+    )
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_len=8, start_id=START, end_id=END, pad_id=PAD)
+    assert ys.tolist() == [
+        [START, 5, END, PAD, PAD],
+        [START, 5, 6, 7, END],
+        [START, END, PAD, PAD, PAD],
+    ]
+    assert model.generator.calls == 4, "no step after the last sentence finished"
+
+
+def test_greedy_decode_stops_after_one_step_when_end_always_wins():
+    """With a generator that always prefers </s>, the output is just <s> </s>."""
+    model = tiny_model(tie_output=False)
+    with torch.no_grad():
+        model.generator.proj.weight.zero_()
+        model.generator.proj.bias.zero_()
+        model.generator.proj.bias[END] = 100.0
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_len=10, start_id=START, end_id=END, pad_id=PAD)
+    assert ys.tolist() == [[START, END]] * 3
+
+
+def test_greedy_decode_respects_max_len():
+    """A sentence that never ends is cut at max_len tokens, <s> included."""
+    model = tiny_model()
+    model.generator = ScriptedGenerator([[5] * 10] * 3)
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_len=4, start_id=START, end_id=END, pad_id=PAD)
+    assert ys.tolist() == [[START, 5, 5, 5]] * 3
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+def test_fast_label_smoothing_equals_the_kl_version(eps):
+    """The closed form gives the same loss and the same gradient as KLDivLoss."""
+    logits = torch.randn(12, V, requires_grad=True)
+    target = torch.randint(0, V, (12,))
+    target[::4] = PAD
+    grads = []
+    for criterion in (at.LabelSmoothing(V, PAD, eps), at.FastLabelSmoothing(V, PAD, eps)):
+        loss = criterion(F.log_softmax(logits, dim=-1), target)
+        (grad,) = torch.autograd.grad(loss, logits)
+        grads.append((loss.detach(), grad))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)

@@ -1,0 +1,114 @@
+"""Export an executed notebook to one HTML page that needs no network.
+
+nbconvert's page loads require.js and MathJax from a CDN, and it cannot draw Altair's
+Vega-Lite outputs at all. This script makes the page self-contained: formulas become
+MathML (which browsers draw natively), every chart becomes a vega-embed call, and the
+Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once.
+
+    python tools/export_html.py build/annotated_transformer.ipynb build/annotated_transformer.html
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import altair as alt
+import nbformat
+import vl_convert
+from latex2mathml.converter import convert as latex_to_mathml
+from nbconvert import HTMLExporter
+
+VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+\+json")
+DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
+INLINE_MATH = re.compile(r"(?<![\\$])\$(?!\$)(.+?)(?<!\\)\$")
+# Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
+ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\);', re.DOTALL)
+REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
+
+
+def math_to_mathml(markdown: str) -> str:
+    """Replace $$...$$ and $...$ with MathML elements."""
+    markdown = DISPLAY_MATH.sub(
+        lambda m: latex_to_mathml(m.group(1).strip(), display="block"), markdown
+    )
+    return INLINE_MATH.sub(lambda m: latex_to_mathml(m.group(1).strip()), markdown)
+
+
+def chart_html(spec: dict, number: int) -> str:
+    """A div and the script that draws one Vega-Lite spec into it."""
+    target = f"altair-chart-{number}"
+    spec_json = json.dumps(spec).replace("</", "<\\/")
+    return (
+        f'<div id="{target}" class="altair-chart"></div>\n<script>'
+        f'vegaEmbed("#{target}", {spec_json}, {{"renderer": "svg", "actions": false}})'
+        ".catch(function (error) { console.error(error); });</script>"
+    )
+
+
+def chart_spec(data: dict) -> dict | None:
+    """The Vega-Lite spec of an Altair output (mime bundle or Altair's HTML), else None."""
+    for mime in data:
+        if VEGALITE.fullmatch(mime):
+            return data[mime]
+    match = ALTAIR_HTML.search(data.get("text/html", ""))
+    return json.loads(match.group(1)) if match else None
+
+
+def chart_specs(notebook) -> list[dict]:
+    """Every chart of a notebook's outputs, in order."""
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    return [spec for o in outputs if (spec := chart_spec(o.get("data", {}))) is not None]
+
+
+def inline_charts(notebook) -> int:
+    """Turn every chart output into our offline HTML; return how many there were."""
+    count = 0
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            spec = chart_spec(output.get("data", {}))
+            if spec is not None:
+                output["data"] = {"text/html": chart_html(spec, count)}
+                count += 1
+    return count
+
+
+def export(source: Path, target: Path) -> int:
+    """Write the offline page for `source` to `target`; return the number of charts."""
+    notebook = nbformat.read(source, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            cell.source = math_to_mathml(cell.source)
+    charts = inline_charts(notebook)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
+    body = REMOTE_SCRIPT.sub("", body)
+    version = alt.SCHEMA_VERSION.lstrip("v").rsplit(".", 1)[0]  # "6.4" from "v6.4.1"
+    bundle = vl_convert.javascript_bundle(vl_version=version)
+    bundle = bundle.replace("</script", "<\\/script").replace("<!--", "<\\!--")  # stay in <script>
+    body = body.replace("<head>", f"<head>\n<script>(function () {{\n{bundle}\n}})();</script>", 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(body)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, target)
+    return charts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, help="an executed .ipynb")
+    parser.add_argument("target", type=Path, help="the .html to write")
+    args = parser.parse_args()
+    if not args.source.is_file():
+        sys.exit(f"{args.source} does not exist: run `make run` first")
+    charts = export(args.source, args.target)
+    size = args.target.stat().st_size / 2**20
+    print(f"wrote {args.target} ({size:.1f} MiB, {charts} charts, works offline)")
+
+
+if __name__ == "__main__":
+    main()
