@@ -8,7 +8,7 @@ NOTEBOOK := annotated_transformer.ipynb
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup run test html bench lint sync clean
+.PHONY: setup run test html lint sync clean
 
 setup: $(STAMP)
 
