@@ -7,6 +7,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+MIRROR = ROOT.parent / "shared" / "multi30k"  # the read-only Multi30k mirror beside the repo
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -4,11 +4,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import MIRROR, ROOT
 
 import annotated_transformer as at
 
-MIRROR = ROOT.parent / "shared" / "multi30k"
 TINY = at.Settings(
     name="tiny",
     N=1,

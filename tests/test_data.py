@@ -6,11 +6,9 @@ import io
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import MIRROR
 
 import annotated_transformer as at
-
-MIRROR = ROOT.parent / "shared" / "multi30k"
 
 
 def write_gz(path: Path, text: str | bytes) -> Path:
@@ -103,6 +101,19 @@ def test_download_is_checked_and_atomic(tmp_path, monkeypatch):
     assert not target.exists() and list(tmp_path.iterdir()) == []
     at.download("tiny.de.gz", target)
     assert target.read_bytes() == payload
+
+
+def test_unwritable_folder_is_one_clear_line_and_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "vocab.json"
+    target.write_text("old")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(at.tempfile, "mkstemp", refuse)  # root ignores chmod, so simulate it
+    with pytest.raises(at.DataError, match="not writable; fix its permissions"):
+        at.write_atomically(target, b"new")
+    assert target.read_text() == "old"
 
 
 def test_vocabulary_json_round_trip(tmp_path):

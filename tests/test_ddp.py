@@ -9,11 +9,10 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import MIRROR, ROOT
 
 import annotated_transformer as at
 
-MIRROR = ROOT.parent / "shared" / "multi30k"
 TINY = at.Settings(
     name="ddp-test",
     N=1,
