@@ -8,7 +8,7 @@ NOTEBOOK := annotated_transformer.ipynb
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup run test html lint sync clean
+.PHONY: setup run test bench html lint sync clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ run: setup
 test: setup
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
+
+# Benchmarks (see tools/bench.py): writes build/bench.json and prints a table.
+bench: setup
+	$(PY) tools/bench.py
 
 html: setup
 	@test -f build/$(NOTEBOOK) || { echo "build/$(NOTEBOOK) is missing: run 'make run' first"; exit 1; }

@@ -1,6 +1,10 @@
 """Checkpoints, exact resume, and decoding with beam search."""
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,3 +111,160 @@ def test_every_torch_load_is_weights_only():
     calls = [line for line in source.splitlines() if "torch.load(" in line]
     assert calls and all("weights_only=True" in line for line in calls)
     assert "import pickle" not in source
+
+
+@pytest.fixture(scope="module")
+def decoding(tmp_path_factory):
+    """A briefly trained small model whose greedy outputs end at different steps."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    folder = tmp_path_factory.mktemp("decoding")
+    settings = dataclasses.replace(
+        TINY, d_model=32, d_ff=64, train_pairs=1000, batch_tokens=800, accum_iter=1, epochs=3
+    )
+    settings = dataclasses.replace(settings, warmup=30, lr_factor=2.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTI30K_DIR", str(MIRROR))
+        data = at.prepare_data(settings, folder)
+    model, _ = at.train_model(settings, data, folder, device=torch.device("cpu"), show=False)
+    return model.eval(), data
+
+
+def variants(model, data, **options):
+    """The trained weights in a model built with other options (pre-norm excepted)."""
+    settings = dataclasses.replace(TINY, d_model=32, d_ff=64, **options)
+    other = at.model_for(settings, data.vocabs).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def assert_cached_equals_full(model, data):
+    """Step by step over real targets, the cached log-probs equal the full recompute's."""
+    src = at.collate(data.val, list(range(12)), data.vocabs["en"].pad_id)
+    with torch.no_grad():
+        memory = model.encode(src.src, src.src_mask)
+        full = at.FullPrefix(model, memory, src.src_mask)
+        cached = at.CachedPrefix(model, memory, src.src_mask)
+        for t in range(1, src.tgt_in.size(1) + 1):
+            prefix = src.tgt_in[:, :t]
+            assert torch.allclose(full(prefix), cached(prefix), atol=1e-4)
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_cached_steps_equal_the_full_recompute(decoding, use_sdpa):
+    model, data = decoding
+    assert_cached_equals_full(variants(model, data, use_sdpa=use_sdpa), data)
+
+
+def test_cached_steps_equal_the_full_recompute_with_pre_norm(decoding):
+    _, data = decoding
+    at.set_seed(5)
+    model = at.model_for(dataclasses.replace(TINY, pre_norm=True), data.vocabs).eval()
+    assert_cached_equals_full(model, data)
+
+
+def test_cached_greedy_and_beam_give_the_plain_outputs(decoding):
+    model, data = decoding
+    en = data.vocabs["en"]
+    src = at.collate(data.val, list(range(20)), en.pad_id)
+    ids = {"start": en.bos_id, "end": en.eos_id, "pad": en.pad_id}
+    greedy = at.greedy_decode(
+        model, src.src, src.src_mask, 30, start_id=en.bos_id, end_id=en.eos_id, pad_id=en.pad_id
+    )
+    lengths = (greedy != en.pad_id).sum(dim=1)
+    assert lengths.min() < lengths.max() < 30  # sentences end, at different steps
+    for k in (1, 4):
+        plain, fast = (
+            at.beam_search(
+                model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, steps=steps
+            )
+            for steps in (at.FullPrefix, at.CachedPrefix)
+        )
+        assert torch.equal(plain, fast)
+        if k == 1:
+            assert torch.equal(fast, greedy)
+    sources = [pair[0] for pair in data.val]
+    assert at.translate(model, sources, data.vocabs, beam_size=3) == at.translate(
+        model, sources, data.vocabs, beam_size=3, cached=False
+    )
+
+
+def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, capsys):
+    model, data = decoding
+    limit = at.positions_of(model)
+    de = data.vocabs["de"]
+    long_source = [de.bos_id, *[de.unk_id] * (limit + 20), de.eos_id]
+    out = at.translate(model, [long_source, data.val[0][0]], data.vocabs, beam_size=2)
+    assert f"cut 1 of 2 sources longer than {limit} tokens" in capsys.readouterr().out
+    assert len(out) == 2 and len(out[0]) < limit
+
+
+CHILD = """
+import os, signal, sys, dataclasses
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+import annotated_transformer as at
+
+data_dir, out, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+settings = dataclasses.replace(
+    at.Settings(name="tiny", N=1, d_model=16, d_ff=32, h=2, train_pairs=200, eval_pairs=20),
+    batch_tokens=300, accum_iter=2, epochs=2, warmup=10, checkpoint_steps=3,
+)
+if kill_at:
+    make_optimizer = at.make_optimizer
+
+    def make_and_watch(*args, **kwargs):
+        optimizer, schedule = make_optimizer(*args, **kwargs)
+        steps = [0]
+
+        def after(*_):
+            steps[0] += 1
+            if steps[0] == kill_at:  # the hard way out: no cleanup, no finally blocks
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        optimizer.register_step_post_hook(after)
+        return optimizer, schedule
+
+    at.make_optimizer = make_and_watch
+model, history = at.train_model(settings, data_dir=data_dir, device=torch.device("cpu"), show=False)
+torch.save({"model": model.state_dict(), "history": history}, out)
+"""
+
+
+def run_child(tmp_path, data_dir, kill_at):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = tmp_path / f"out-{data_dir.name}-{kill_at}.pt"
+    env = {**os.environ, "MULTI30K_DIR": str(MIRROR), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script), str(data_dir), str(out), str(kill_at)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return result, out
+
+
+def test_sigkill_mid_epoch_then_restart_is_bit_identical(tmp_path):
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    straight, straight_out = run_child(tmp_path, tmp_path / "straight", kill_at=0)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at=7)
+    assert killed.returncode == -signal.SIGKILL
+    last = torch.load(tmp_path / "killed" / "checkpoints" / "tiny" / "last.pt", weights_only=True)
+    assert last["position"]["epoch"] == 0 and last["position"]["batches"] > 0  # mid-epoch
+    assert last["state"]["step"] == 6  # the last multiple of checkpoint_steps before 7
+
+    resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", kill_at=0)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    a = torch.load(straight_out, weights_only=True)
+    b = torch.load(resumed_out, weights_only=True)
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    losses = [[(h["train_loss"], h["val_loss"]) for h in run["history"]] for run in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2

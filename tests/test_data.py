@@ -195,3 +195,10 @@ def test_bleu_of_a_hypothesis_against_itself_is_100():
     assert scores["bleu"] == pytest.approx(100.0)
     assert scores["bleu_lowercase_tokenized"] == pytest.approx(100.0)
     assert "case:mixed" in scores["signature"] and "tok:13a" in scores["signature"]
+
+
+def test_unknown_preset_is_one_clear_line(monkeypatch):
+    monkeypatch.setenv("AT_PRESET", "laptop")
+    with pytest.raises(ValueError, match="^unknown preset 'laptop': set AT_PRESET to one of "):
+        at.get_settings()
+    assert at.get_settings("smoke").name == "smoke"
