@@ -137,7 +137,7 @@ PRESETS = {
         d_ff=512,
         h=8,
         batch_tokens=2500,
-        epochs=7,
+        epochs=8,
         warmup=400,
         lr_factor=0.5,
     ),
@@ -2219,17 +2219,17 @@ class FullPrefix:
 
 # %%
 @torch.no_grad()
-def beam_search(model, src, src_mask, max_len: int, *, beam_size: int, alpha: float, **options):
-    """Batched beam search; options: ids (start, end, pad), steps (class, default FullPrefix).
+def beam_search(
+    model, src, src_mask, max_len: int, *, beam_size: int, alpha: float, ids: dict, steps=FullPrefix
+):
+    """Batched beam search; ids holds start, end and pad; steps computes next-word log-probs.
 
     Returns (B, <= max_len) ids starting with <s>.
     """
     model.eval()
-    B, k, device, ids = src.size(0), beam_size, src.device, options["ids"]
+    B, k, device = src.size(0), beam_size, src.device
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # (B * k, S, d_model)
-    next_log_probs = options.get("steps", FullPrefix)(
-        model, memory, src_mask.repeat_interleave(k, dim=0)
-    )
+    next_log_probs = steps(model, memory, src_mask.repeat_interleave(k, dim=0))
     ys = torch.full((B * k, 1), ids["start"], dtype=torch.long, device=device)
     scores = torch.full((B, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: keep one so the k winners differ
@@ -2373,19 +2373,24 @@ def cut_to_length(sources: list[list[int]], limit: int) -> list[list[int]]:
     return [s if len(s) <= limit else [*s[: limit - 1], s[-1]] for s in sources]
 
 
-def translate(model, sources: list[list[int]], vocabs: dict, *, beam_size: int = 1, **options):
-    """Translate id lists (with <s> ... </s>) into English token lists.
-
-    options: alpha (length penalty, default 0.6), cached (default True), batch_size.
-    """
+def translate(
+    model,
+    sources: list[list[int]],
+    vocabs: dict,
+    *,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    cached: bool = True,
+    batch_size: int = 200,
+):
+    """Translate id lists (with <s> ... </s>) into English token lists."""
     device, limit = next(model.parameters()).device, positions_of(model)
     en, pad = vocabs["en"], vocabs["de"].pad_id
     ids = {"start": en.bos_id, "end": en.eos_id, "pad": en.pad_id}
-    steps = CachedPrefix if options.get("cached", True) else FullPrefix
+    steps = CachedPrefix if cached else FullPrefix
     sources = cut_to_length(sources, limit)
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[str]] = [[] for _ in sources]
-    batch_size = options.get("batch_size", 200)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         src = nn.utils.rnn.pad_sequence(
@@ -2393,7 +2398,6 @@ def translate(model, sources: list[list[int]], vocabs: dict, *, beam_size: int =
         ).to(device)
         src_mask = (src != pad).unsqueeze(-2)
         max_len = min(src.size(1) + 50, limit)
-        alpha = options.get("alpha", 0.6)
         out = beam_search(
             model, src, src_mask, max_len, beam_size=beam_size, alpha=alpha, ids=ids, steps=steps
         )
@@ -2438,7 +2442,7 @@ def bleu_scores(hypotheses: list[list[str]], references: list[str], ref_tokens) 
     """sacreBLEU (cased, detokenized) with signature, and lower-cased tokenized BLEU."""
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score([detokenize(h) for h in hypotheses], [references])
-    lowered = sacrebleu.metrics.BLEU(lowercase=True, tokenize="none")
+    lowered = sacrebleu.metrics.BLEU(lowercase=True, tokenize="none", force=True)  # tokenized
     tokenized = lowered.corpus_score(
         [" ".join(h) for h in hypotheses], [[" ".join(r) for r in ref_tokens]]
     )

@@ -1,5 +1,6 @@
 """Training machinery: batches, the loss, the schedule, run_epoch and greedy decoding."""
 
+import contextlib
 import copy
 import math
 
@@ -345,3 +346,42 @@ def test_fast_label_smoothing_equals_the_kl_version(eps):
         grads.append((loss.detach(), grad))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
+
+
+def test_fused_adam_equals_plain_adam():
+    """The fused kernel (used on CUDA) takes the same steps as the plain loop; on CPU
+    torch has a fused Adam too, so the equality can be checked here."""
+    settings = at.Settings(name="t", d_model=16, warmup=4)
+    plain, fused = tiny_model(), tiny_model()
+    fused.load_state_dict(plain.state_dict())
+    criterion = at.LabelSmoothing(V, PAD, 0.1)
+    optimizers = [
+        at.make_optimizer(m, settings, fused=f) for m, f in ((plain, False), (fused, True))
+    ]
+    for _ in range(3):
+        batch = random_batch()
+        for model, (optimizer, schedule) in zip((plain, fused), optimizers, strict=True):
+            (at.batch_loss(model, criterion, batch) / batch.ntokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        if name.endswith("w_k.bias"):
+            continue  # zero true gradient: Adam magnifies rounding noise (see test_ddp)
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_bf16_autocast_stays_close_to_fp32():
+    """bf16 autocast (used on CUDA) keeps the loss within bf16's precision of fp32's.
+    CPU autocast runs the same bf16 matrix products, so the check runs here."""
+    model = tiny_model().eval()
+    criterion = at.LabelSmoothing(V, PAD, 0.1)
+    batch = random_batch(batch_size=8, length=10)
+    with torch.no_grad():
+        exact = at.batch_loss(model, criterion, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = at.batch_loss(model, criterion, batch)
+    assert low.dtype == torch.float32  # the loss itself is computed in float32
+    assert not torch.equal(low, exact)  # bf16 really was used ...
+    assert torch.allclose(low, exact, rtol=2e-2)  # ... and stays within ~1% of fp32
+    assert at.autocast_for(torch.device("cpu")) is contextlib.nullcontext
