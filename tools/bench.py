@@ -2,6 +2,7 @@
 
     make bench                                  # the preset for this machine (or AT_PRESET)
     .venv/bin/python tools/bench.py --preset smoke --repeats 2 --out /tmp/bench.json
+    .venv/bin/python tools/bench.py --compile   # also our model under torch.compile
 
 Four comparisons, each measured side by side in one run because machines are noisy:
 warm-up excluded, the median of several repeats, the two contenders interleaved.
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=at.BUILD_DIR / "bench.json")
     parser.add_argument("--data-dir", type=Path, default=at.DATA_DIR, help="data and checkpoints")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time our model under torch.compile"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -184,8 +188,18 @@ def train_round(training, criterion, batches, device) -> float:
     return seconds / len(batches)
 
 
-def compare_models(settings, data, device, sizes: Sizes, repeats: int) -> dict:
-    """Median training-step time of our model and of nn.Transformer, rounds interleaved."""
+def compiled(training):
+    """The same training triple with the model wrapped by torch.compile (dynamic shapes)."""
+    model, optimizer, schedule = training
+    return torch.compile(model, dynamic=True), optimizer, schedule
+
+
+def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_too=False):
+    """Median training-step time of our model and of nn.Transformer, rounds interleaved.
+
+    With compile_too, a third contender is our model under torch.compile; its first
+    round (the warm-up, untimed in the medians) includes the compilation.
+    """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
     en = vocabs["en"]
     criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
@@ -193,12 +207,18 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int) -> dict:
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
     }
+    if compile_too:
+        build = lambda: at.model_for(settings, vocabs)  # noqa: E731
+        contenders["ours_compiled"] = compiled(fresh_training(settings, build, device))
     rounds = {name: [] for name in contenders}
+    warmup = {}
     for repeat in range(repeats + 1):  # round 0 is the warm-up
         for name, training in contenders.items():
             seconds = train_round(training, criterion, batches, device)
             if repeat > 0:
                 rounds[name].append(seconds)
+            else:
+                warmup[name] = seconds * len(batches)
     ours, pytorch = statistics.median(rounds["ours"]), statistics.median(rounds["pytorch"])
     return {
         "ours_step_seconds": ours,
@@ -210,6 +230,15 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int) -> dict:
         "real_target_tokens_per_round": sum(b.ntokens for b in batches),
         "ours_round_step_seconds": rounds["ours"],
         "pytorch_round_step_seconds": rounds["pytorch"],
+        **(
+            {
+                "compiled_step_seconds": statistics.median(rounds["ours_compiled"]),
+                "compiled_ratio": statistics.median(rounds["ours_compiled"]) / ours,
+                "compiled_warmup_round_seconds": warmup["ours_compiled"],
+            }
+            if compile_too
+            else {}
+        ),
         "note": "nn.Transformer adds a final LayerNorm to both stacks even in post-norm "
         "and drops out the feed-forward hidden activations; the paper and our model do "
         "neither",
@@ -505,6 +534,15 @@ def goal_rows(report: dict, device: torch.device) -> list[tuple]:
         row("step, ours", f"{models['ours_step_seconds']:.4f} s"),
         row("step, torch.nn.Transformer", f"{models['pytorch_step_seconds']:.4f} s"),
         row("step ratio ours / PyTorch", f"{ratio:.3f}", "<= 1.10", ratio <= 1.10),
+        *(
+            [
+                row("step, ours compiled", f"{models['compiled_step_seconds']:.4f} s"),
+                row("compiled / eager", f"{models['compiled_ratio']:.3f}"),
+                row("compile round", f"{models['compiled_warmup_round_seconds']:.0f} s"),
+            ]
+            if "compiled_ratio" in models
+            else []
+        ),
         row("pipeline, ours", f"{pipes['ours']['tokens_per_second']:,.0f} tok/s"),
         row("pipeline, reference", f"{pipes['reference']['tokens_per_second']:,.0f} tok/s"),
         row(
@@ -575,7 +613,9 @@ def main(argv=None) -> None:
     text, tokens = training_text(settings, args.data_dir, tokenizers)
     report = {"preset": settings.name, "device": str(device)}
     print("1/4 training step: our model against torch.nn.Transformer")
-    report["model_vs_pytorch"] = compare_models(settings, data, device, sizes, args.repeats)
+    report["model_vs_pytorch"] = compare_models(
+        settings, data, device, sizes, args.repeats, compile_too=args.compile
+    )
     print("2/4 pipeline: ours against the reference loop")
     race = race_pairs(settings, text, tokens, data.vocabs, sizes)
     report["pipeline"] = compare_pipelines(
