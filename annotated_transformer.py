@@ -1979,6 +1979,7 @@ class Run:
     state: TrainState
     history: list
     device: torch.device
+    val_batches: list[Batch]
     rank: int = 0
     world_size: int = 1
     show: bool = True
@@ -2033,11 +2034,7 @@ def train_epoch(run: Run, position: dict) -> dict:
     )
     seconds = time.perf_counter() - start
     bar.close()
-    val_batches = [
-        collate(run.data.val, b, pad_id).to(run.device)
-        for b in bucket_batches(run.data.val, settings.batch_tokens, seed=0, epoch=0)
-    ]
-    val_loss = run_epoch(val_batches, run.model, criterion, autocast=autocast_for(run.device))
+    val_loss = run_epoch(run.val_batches, run.model, criterion, autocast=autocast_for(run.device))
     local_tokens = position["tokens"] + sum(b.ntokens for b in batches)
     loss_sum, tokens = sum_over_ranks([train_loss * local_tokens, local_tokens], run.device)
     return {
@@ -2064,6 +2061,8 @@ def train_model(
     model, optimizer, schedule, state, history, position = start_or_resume(
         settings, data.vocabs, device, data_dir
     )
+    pad_id = data.vocabs["en"].pad_id
+    val_indices = bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
     run = Run(
         settings,
         data,
@@ -2075,6 +2074,7 @@ def train_model(
         state,
         history,
         device,
+        val_batches=[collate(data.val, b, pad_id).to(device) for b in val_indices],
         rank=options.get("rank", 0),
         world_size=options.get("world_size", 1),
         show=options.get("show", True),
