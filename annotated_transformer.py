@@ -1653,6 +1653,7 @@ class Multi30k:
     train: list[Pair]
     val: list[Pair]
     test: list[Pair]
+    train_text: list[tuple[str, str]]  # all of the preset's pairs, long ones included
     val_text: list[tuple[str, str]]
     test_text: list[tuple[str, str]]
 
@@ -1671,6 +1672,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
         train=encode_pairs(tokens["train"], vocabs, settings.max_len),
         val=encode_pairs(tokens["val"], vocabs),
         test=encode_pairs(tokens["test_2016_flickr"], vocabs),
+        train_text=text["train"],
         val_text=text["val"],
         test_text=text["test_2016_flickr"],
     )
@@ -2099,15 +2101,24 @@ def train_model(
 
 
 # %%
+def load_final(settings: Settings, data: Multi30k, data_dir: Path = DATA_DIR, device=None):
+    """The finished model and its history from final.pt, or None if there is none."""
+    final = checkpoint_dir(settings, data_dir) / "final.pt"
+    if not final.is_file():
+        return None
+    checkpoint = load_checkpoint(final, settings, data.vocabs)
+    model = model_for(settings, data.vocabs)
+    model.load_state_dict(checkpoint["model"])
+    print(f"loaded {final}")
+    return model.to(device or pick_device()), checkpoint["history"]
+
+
 def load_trained_model(settings: Settings, data: Multi30k, data_dir: Path = DATA_DIR, **options):
     """The trained model and its history: from final.pt, else trained now."""
+    loaded = load_final(settings, data, data_dir, options.get("device"))
+    if loaded is not None:
+        return loaded
     final = checkpoint_dir(settings, data_dir) / "final.pt"
-    if final.is_file():
-        checkpoint = load_checkpoint(final, settings, data.vocabs)
-        model = model_for(settings, data.vocabs)
-        model.load_state_dict(checkpoint["model"])
-        print(f"loaded {final}")
-        return model.to(options.get("device") or pick_device()), checkpoint["history"]
     model, history = train_model(settings, data, data_dir, **options)
     save_final(final, model, history, data.vocabs, settings)
     return model, history

@@ -248,10 +248,9 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_t
 # 2. Our data pipeline and loop against the 2022 notebook's
 
 
-def training_text(settings: at.Settings, data_dir: Path, tokenizers: dict):
+def training_text(data: at.Multi30k, data_dir: Path, tokenizers: dict):
     """Raw text and (cached) spaCy tokens of the preset's training pairs."""
-    text = at.load_pairs("train", data_dir)[: settings.train_pairs]
-    return text, at.cached_tokens("train", text, tokenizers, data_dir)
+    return data.train_text, at.cached_tokens("train", data.train_text, tokenizers, data_dir)
 
 
 def race_pairs(settings, text, tokens, vocabs, sizes: Sizes) -> dict:
@@ -419,25 +418,15 @@ def timed_translate(model, sources, vocabs, device, **options):
     return timed(device, lambda: at.translate(model, sources, vocabs, **options))
 
 
-def trained_model(settings, data: at.Multi30k, device, data_dir: Path):
-    """The final checkpoint's model, or None when there is none (nothing is trained)."""
-    final = at.checkpoint_dir(settings, data_dir) / "final.pt"
-    if not final.is_file():
-        return None
-    checkpoint = at.load_checkpoint(final, settings, data.vocabs)
-    model = at.model_for(settings, data.vocabs)
-    model.load_state_dict(checkpoint["model"])
-    return model.to(device).eval()
-
-
 def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     """Greedy and beam decoding of the test split, cached against plain recomputation."""
-    model = trained_model(settings, data, device, data_dir)
-    if model is None:
+    loaded = at.load_final(settings, data, data_dir, device)
+    if loaded is None:
         return {
             "skipped": f"no trained model in {at.checkpoint_dir(settings, data_dir)}: "
             f"run `AT_PRESET={settings.name} make run` first"
         }
+    model = loaded[0].eval()
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     beam = {"beam_size": settings.beam_size, "alpha": settings.length_penalty}
@@ -610,7 +599,7 @@ def main(argv=None) -> None:
     sizes, tokenizers = SIZES[settings.name], at.make_tokenizers()
     print(f"bench: preset {settings.name!r} on {device}, {args.repeats} repeats")
     data = at.prepare_data(settings, args.data_dir)
-    text, tokens = training_text(settings, args.data_dir, tokenizers)
+    text, tokens = training_text(data, args.data_dir, tokenizers)
     report = {"preset": settings.name, "device": str(device)}
     print("1/4 training step: our model against torch.nn.Transformer")
     report["model_vs_pytorch"] = compare_models(
