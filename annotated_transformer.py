@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -38,6 +40,7 @@
 
 # %%
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -959,8 +962,10 @@ for eps in (0.0, 0.1, 0.3):
 # the `min` are equal.
 #
 # > We add a `factor` that multiplies the formula (1.0 is the paper's). PyTorch's
-# > `LambdaLR` calls the schedule with step 0 before training starts; the formula is
-# > undefined there, so we treat step 0 as step 1.
+# > `LambdaLR` counts steps from 0, and the formula is undefined at 0, so
+# > `make_optimizer` shifts every step by one: its step 0 is the paper's step 1.
+# > (`rate` also treats a step of 0 as 1, as a guard.) The `ranks` argument is for
+# > training on several processes at once, in Part 4.
 
 
 # %%
@@ -971,16 +976,19 @@ def rate(step: int, *, d_model: int, warmup: int, factor: float = 1.0) -> float:
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
-def make_optimizer(model: nn.Module, settings: Settings, fused: bool = False):
-    """Adam with the paper's betas and eps, driven by `rate` through LambdaLR."""
+def make_optimizer(model: nn.Module, settings: Settings, fused: bool = False, ranks: int = 1):
+    """Adam with the paper's betas and eps, driven by `rate` through LambdaLR.
+
+    With `ranks` processes, one optimizer step consumes as much data as `ranks` steps
+    of a single process, so it takes the rate of the single process's last such step.
+    """
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused or None
     )
+    d_model, warmup, factor = settings.d_model, settings.warmup, settings.lr_factor
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: rate(
-            step + 1, d_model=settings.d_model, warmup=settings.warmup, factor=settings.lr_factor
-        ),
+        lambda step: rate((step + 1) * ranks, d_model=d_model, warmup=warmup, factor=factor),
     )
     return optimizer, schedule
 
@@ -1015,11 +1023,21 @@ alt.Chart(schedule_frame, title="Learning-rate schedule").mark_line().encode(
 #
 # *Gradient accumulation* imitates a batch `accum_iter` times larger than fits in
 # memory: the gradients of several micro-batches are summed before one optimizer step.
-# For the sum to be the gradient of the big batch's mean loss, each micro-batch's loss
-# (a mean over its tokens) is divided by the number of micro-batches in its group. The
-# last group of an epoch may be shorter; it is divided by its own size and still gets
-# its optimizer step, so no gradient is left over for the next epoch. The schedule
-# advances once per optimizer step, not per micro-batch.
+# The loss of the big batch is its summed loss divided by its number of real target
+# tokens, so each micro-batch contributes **its summed loss divided by the token count
+# of the whole step**, all of the step's micro-batches together. The last group of an
+# epoch may be shorter; it is divided by its own tokens and still gets its optimizer
+# step, so no gradient is left over for the next epoch. The schedule advances once per
+# optimizer step, not per micro-batch.
+#
+# > **A trap worth knowing.** The obvious recipe, "divide each micro-batch's mean loss
+# > by the number of micro-batches", averages the micro-batches' *means*. That equals
+# > the big batch's mean only when every micro-batch holds the same number of tokens,
+# > and with length bucketing they never do: a micro-batch of a few long sentences and
+# > one of many short ones would get the same say, however many tokens each holds.
+# > Hugging Face's `Trainer` did this for years, until a fix in October 2024
+# > (`transformers` pull request 34191). The cells after `run_epoch` show the
+# > difference on four numbers, then check our loop against one big batch.
 #
 # > The loss we report is the mean per real target token, summed over the whole
 # > epoch before dividing, so batches with more tokens weigh more.
@@ -1034,9 +1052,10 @@ def batch_loss(model: EncoderDecoder, criterion: LabelSmoothing, batch: Batch) -
     return criterion(log_probs.reshape(-1, log_probs.size(-1)).float(), batch.tgt_out.reshape(-1))
 
 
-def group_size(i: int, n: int, accum_iter: int) -> int:
-    """How many micro-batches share the optimizer step of micro-batch i (of n)."""
-    return min(accum_iter, n - (i - i % accum_iter))
+def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
+    """Real target tokens of each optimizer step: the sum over its group of micro-batches."""
+    starts = range(0, len(batches), accum_iter)
+    return [sum(b.ntokens for b in batches[i : i + accum_iter]) for i in starts]
 
 
 # %%
@@ -1046,20 +1065,21 @@ def run_epoch(
     """Train (with an optimizer) or evaluate over `batches`; return mean loss per token.
 
     options: accum_iter (default 1), state (a TrainState to update), autocast (a
-    context-manager factory), sync (a factory that takes "is this the last micro-batch
-    before a step?" and returns a context, for DistributedDataParallel's no_sync),
-    progress (a callable given the loss and token count after every batch), after_step
-    (a callable given the batches done and the loss and token totals so far, after
-    every optimizer step), totals (loss and token totals to start from, when resuming).
+    context-manager factory), progress (a callable given the loss and token count after
+    every batch). For DistributedDataParallel and resuming: step_tokens (each step's
+    token count over all ranks), ranks (how many processes DDP averages over), sync (a
+    factory given "is this the last micro-batch before a step?" that returns a context,
+    for DDP's no_sync), after_step (a callable given the batches done and the loss and
+    token totals, after every optimizer step), totals (the loss and token totals to
+    start from).
     """
     training = optimizer is not None
     accum_iter, state = options.get("accum_iter", 1), options.get("state") or TrainState()
+    step_tokens = options.get("step_tokens") or tokens_per_step(batches, accum_iter)
+    ranks = options.get("ranks", 1)
     autocast = options.get("autocast", contextlib.nullcontext)
-    sync, progress = (
-        options.get("sync", lambda last: contextlib.nullcontext()),
-        options.get("progress"),
-    )
-    after_step = options.get("after_step")
+    sync = options.get("sync", lambda last: contextlib.nullcontext())
+    progress, after_step = options.get("progress"), options.get("after_step")
     model.train(training)
     (total_loss, total_tokens), n = options.get("totals", (0.0, 0)), len(batches)
     with torch.enable_grad() if training else torch.no_grad():
@@ -1068,8 +1088,10 @@ def run_epoch(
             with sync(steps_now), autocast():
                 loss_sum = batch_loss(model, criterion, batch)
             if training:
+                # this micro-batch's share of the step's mean loss per token; DDP then
+                # averages the ranks' gradients, so multiplying by `ranks` makes it a sum
                 with sync(steps_now):
-                    (loss_sum / batch.ntokens / group_size(i, n, accum_iter)).backward()
+                    (loss_sum * ranks / step_tokens[i // accum_iter]).backward()
                 state.micro_batches += 1
                 state.samples += batch.src.size(0)
                 state.tokens += batch.ntokens
@@ -1085,6 +1107,49 @@ def run_epoch(
             if progress is not None:
                 progress(loss_sum.item() / max(batch.ntokens, 1), batch.ntokens)
     return total_loss / max(total_tokens, 1)
+
+
+# %% [markdown]
+# **Mean of means against the real mean.** A step with two micro-batches: one holds
+# three real target tokens whose losses are 1, 1 and 1, the other a single token with
+# loss 4. The big batch's loss is their mean, 7/4. Averaging the two micro-batch means
+# gives (1 + 4)/2 = 2.5 instead: the lone token counts as much as the other three.
+
+# %%
+token_losses = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([4.0])]  # two micro-batches
+step_token_count = sum(len(t) for t in token_losses)  # 4 real tokens in the step
+mean_of_means = sum(t.mean() for t in token_losses) / len(token_losses)
+our_share_sum = sum(t.sum() / step_token_count for t in token_losses)  # what run_epoch does
+assert our_share_sum == torch.cat(token_losses).mean() == 7 / 4 and mean_of_means == 2.5
+
+# %% [markdown]
+# The same on a model: micro-batches of 8 and 2 real target tokens, accumulated,
+# take the same SGD step as the four sentences padded into one batch.
+
+
+# %%
+def params_after_one_step(model, batches: list[Batch], accum_iter: int) -> Tensor:
+    """All parameters of a copy of `model` after one SGD step (lr 1) over `batches`."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    criterion = LabelSmoothing(11, pad_id=0, smoothing=0.1)
+    run_epoch(
+        batches, model, criterion, optimizer=optimizer, schedule=schedule, accum_iter=accum_iter
+    )
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+long_pairs = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 4, 2]])  # 2 x 4 = 8 target tokens
+short_pair = torch.tensor([[1, 5, 2]])  # 2 target tokens
+one_batch = nn.utils.rnn.pad_sequence([*long_pairs, *short_pair], batch_first=True)
+set_seed(0)
+accum_model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+micro_batches = [Batch(long_pairs, long_pairs, 0), Batch(short_pair, short_pair, 0)]
+accumulated = params_after_one_step(accum_model, micro_batches, accum_iter=2)
+big_batch = params_after_one_step(accum_model, [Batch(one_batch, one_batch, 0)], accum_iter=1)
+assert [b.ntokens for b in micro_batches] == [8, 2]
+assert torch.allclose(accumulated, big_batch, atol=1e-6)
 
 
 # %% [markdown]
@@ -1273,6 +1338,12 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise DataError(
             f"cannot write {path}: the folder is not writable; fix its permissions"
         ) from error
+    except (FileExistsError, NotADirectoryError) as error:
+        blocker = next(p for p in [path.parent, *path.parent.parents] if p.is_file())
+        raise DataError(
+            f"cannot create the folder {path.parent}: {blocker} is a file; "
+            "move it away or choose another data folder"
+        ) from error
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -1341,7 +1412,9 @@ def split_file(split: str, lang: str, data_dir: Path = DATA_DIR) -> Path:
 
 # %% [markdown]
 # Reading a file turns the typical ways it can be broken into one clear line each: a
-# gzip cut short, bytes that are not gzip, and text that is not UTF-8.
+# gzip cut short, bytes that are not gzip, and text that is not UTF-8. A byte-order
+# mark, which some Windows editors put at the start of a UTF-8 file, is dropped rather
+# than left glued to the first word.
 
 
 # %%
@@ -1355,7 +1428,7 @@ def read_lines(path: Path) -> list[str]:
     except (OSError, gzip.BadGzipFile) as error:
         raise DataError(f"{path} is not a valid gzip file: delete it and fetch it again") from error
     try:
-        return raw.decode("utf-8").splitlines()
+        return raw.decode("utf-8-sig").splitlines()  # -sig: drop a leading byte-order mark
     except UnicodeDecodeError as error:
         raise DataError(
             f"{path} is not UTF-8 text (byte {error.start}): re-save it as UTF-8"
@@ -1523,7 +1596,9 @@ assert toy_vocab.decode([4, 5]) == ["a", "dog"]
 # %%
 def vocabularies(train_tokens: dict, min_freq: int, data_dir: Path = DATA_DIR) -> dict:
     """German and English vocabularies of the training tokens, cached as JSON."""
-    key = hashlib.sha256(json.dumps([train_tokens["de"][:50], min_freq]).encode()).hexdigest()[:8]
+    # the key covers every training token of both languages: any change builds anew
+    content = json.dumps([train_tokens["de"], train_tokens["en"], min_freq])
+    key = hashlib.sha256(content.encode()).hexdigest()[:16]
     vocabs = {}
     for lang in ("de", "en"):
         path = Path(data_dir) / f"vocab-{lang}-{len(train_tokens[lang])}-{key}.json"
@@ -1842,19 +1917,28 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
 
 # %%
 def random_states() -> dict:
-    """Every random-number state that training draws from."""
+    """Every random-number state that training draws from, as tensors and numbers."""
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    states["numpy"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
+    _, keys, position, has_gauss, cached_gauss = np.random.get_state()  # MT19937
+    states["numpy"] = {
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gauss": float(cached_gauss),
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def restore_random_states(states: dict) -> None:
+    """Put back the states that random_states() took."""
     torch.set_rng_state(states["torch"])
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(("MT19937", states["numpy"].numpy().astype(np.uint32), 624, 0, 0.0))
+    mt = states["numpy"]
+    keys = mt["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, mt["position"], mt["has_gauss"], mt["cached_gauss"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
@@ -1896,39 +1980,64 @@ def epoch_start(epoch: int) -> dict:
     return {"epoch": epoch, "batches": 0, "loss": 0.0, "tokens": 0, "seconds": 0.0}
 
 
-def start_or_resume(settings, vocabs, device, data_dir):
+def seed_of_rank(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s dropout: its own stream, the same on every run."""
+    return seed + 7919 * (rank + 1)
+
+
+def start_or_resume(settings, vocabs, device, data_dir, rank: int = 0, world_size: int = 1):
     """Model, optimizer, schedule, state, history and position: fresh or from `last.pt`."""
     set_seed(settings.seed)
-    model = model_for(settings, vocabs).to(device)
-    optimizer, schedule = make_optimizer(model, settings, fused=device.type == "cuda")
+    model = model_for(settings, vocabs).to(device)  # the same initial weights on every rank
+    set_seed(seed_of_rank(settings.seed, rank))  # but different dropout masks per rank
+    fused = device.type == "cuda"
+    optimizer, schedule = make_optimizer(model, settings, fused=fused, ranks=world_size)
     state, history, position = TrainState(), [], epoch_start(0)
     last = checkpoint_dir(settings, data_dir) / "last.pt"
     if last.is_file():
         checkpoint = load_checkpoint(last, settings, vocabs)
+        if len(checkpoint.get("ranks", [])) != world_size:
+            raise CheckpointError(
+                f"{last} was written by a run on {len(checkpoint.get('ranks', []))} "
+                f"process(es), not {world_size}: resume with as many, or delete it"
+            )
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         schedule.load_state_dict(checkpoint["schedule"])
         state, history = TrainState(**checkpoint["state"]), checkpoint["history"]
-        position = checkpoint.get("position") or epoch_start(checkpoint["epoch"] + 1)  # (older)
-        restore_random_states(checkpoint["random"])
+        own = checkpoint["ranks"][rank]  # this rank's position, totals and random states
+        position = own["position"]
+        restore_random_states(own["random"])
         print(f"resuming from {last}: epoch {position['epoch']}, batch {position['batches']}")
     return model, optimizer, schedule, state, history, position
 
 
 # %%
-def training_state(model, optimizer, schedule, state, position, history, vocabs, settings):
-    """Everything a checkpoint holds to resume training exactly."""
+def training_state(model, optimizer, schedule, state, ranks, history, vocabs, settings):
+    """Everything a checkpoint holds to resume training exactly.
+
+    `ranks` holds one entry per process: its position in the epoch (with its own loss
+    and token totals) and its random states.
+    """
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "state": dataclasses.asdict(state),
-        "position": position,
+        "ranks": ranks,
         "history": history,
-        "random": random_states(),
         "model_size": model_size(settings),
         "vocab_fingerprint": vocab_fingerprint(vocabs),
     }
+
+
+def gather_from_ranks(value) -> list:
+    """`value` of every rank of a distributed job, in rank order ([value] in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def sum_over_ranks(values: list[float], device) -> list[float]:
@@ -1987,14 +2096,19 @@ class Run:
     show: bool = True
 
     def save(self, position: dict) -> None:
-        """Write `last.pt` (rank 0 only): the weights and everything else resuming needs."""
+        """Write `last.pt`: the weights and everything else resuming needs.
+
+        Every rank must call it: each hands over its own position and random states,
+        and rank 0 writes the file.
+        """
+        ranks = gather_from_ranks({"position": position, "random": random_states()})
         if self.rank == 0:
             content = training_state(
                 self.model,
                 self.optimizer,
                 self.schedule,
                 self.state,
-                position,
+                ranks,
                 self.history,
                 self.data.vocabs,
                 self.settings,
@@ -2011,6 +2125,9 @@ def train_epoch(run: Run, position: dict) -> dict:
     indices = bucket_batches(run.data.train, settings.batch_tokens, seed=settings.seed, epoch=epoch)
     indices = shard_batches(indices, run.rank, run.world_size)
     batches = [collate(run.data.train, b, pad_id).to(run.device) for b in indices[skip:]]
+    # a step's loss is divided by its real target tokens on all ranks together
+    local_step_tokens = tokens_per_step(batches, settings.accum_iter)
+    step_tokens = [round(t) for t in sum_over_ranks(local_step_tokens, run.device)]
     bar, progress = epoch_progress(len(batches), epoch, run.schedule, run.show and run.rank == 0)
     start = time.perf_counter() - position["seconds"]
 
@@ -2028,6 +2145,8 @@ def train_epoch(run: Run, position: dict) -> dict:
         schedule=run.schedule,
         state=run.state,
         accum_iter=settings.accum_iter,
+        step_tokens=step_tokens,
+        ranks=run.world_size,
         progress=progress,
         autocast=autocast_for(run.device),
         sync=no_sync_factory(run.net),
@@ -2060,8 +2179,9 @@ def train_model(
     """
     data = data if data is not None else prepare_data(settings, data_dir)
     device = options.get("device") or pick_device()
+    rank, world_size = options.get("rank", 0), options.get("world_size", 1)
     model, optimizer, schedule, state, history, position = start_or_resume(
-        settings, data.vocabs, device, data_dir
+        settings, data.vocabs, device, data_dir, rank, world_size
     )
     pad_id = data.vocabs["en"].pad_id
     val_indices = bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
@@ -2077,8 +2197,8 @@ def train_model(
         history,
         device,
         val_batches=[collate(data.val, b, pad_id).to(device) for b in val_indices],
-        rank=options.get("rank", 0),
-        world_size=options.get("world_size", 1),
+        rank=rank,
+        world_size=world_size,
         show=options.get("show", True),
     )
     for epoch in range(position["epoch"], settings.epochs):
@@ -2441,7 +2561,10 @@ def translate(
 # validation and test references gives back all but 3 of them exactly.
 #
 # > Older tutorials report BLEU on lower-cased, tokenized text, which comes out several
-# > points higher. We compute that too, labelled as such, for comparison only.
+# > points higher. We compute that too, labelled as such, for comparison only. Its
+# > references are the raw reference sentences run through the same spaCy tokenizer,
+# > never the references' vocabulary ids: those would turn a rare reference word into
+# > `<unk>`, and the model's own `<unk>` would then count as a match.
 
 
 # %%
@@ -2453,6 +2576,11 @@ def detokenize(tokens: list[str]) -> str:
     text = MOSES_EN.detokenize(tokens)
     text = re.sub(r"(?<=\w) - (?=\w)", "-", text)  # "t - shirt" -> "t-shirt"
     return re.sub(r"(?<=\w) n't\b", "n't", text)  # "do n't" -> "don't"
+
+
+def english_tokens(sentences: list[str]) -> list[list[str]]:
+    """spaCy's English tokens of raw sentences (no vocabulary, so no <unk>)."""
+    return [[t.text for t in doc] for doc in spacy.blank("en").tokenizer.pipe(sentences)]
 
 
 def bleu_scores(hypotheses: list[list[str]], references: list[str], ref_tokens) -> dict:
@@ -2511,7 +2639,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
     """Greedy and beam BLEU on the test split, with decoding times."""
     sources = [pair[0] for pair in data.test]
     references = [en for _, en in data.test_text]
-    ref_tokens = [data.vocabs["en"].decode(pair[1][1:-1]) for pair in data.test]
+    ref_tokens = english_tokens(references)
     results = {}
     for method, beam in (("greedy", 1), ("beam", settings.beam_size)):
         start = time.perf_counter()
@@ -2589,7 +2717,10 @@ ATTENTION_SENTENCE = 2
 
 @torch.no_grad()
 def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int) -> dict:
-    """Weights (h, T_q, T_k) of every layer for one sentence pair, by attention kind."""
+    """Weights (h, T_q, T_k) of every layer for one sentence pair, by attention kind.
+
+    src and tgt are id tensors on the model's device; the weights come back on the CPU.
+    """
     blocks = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     for block in blocks:
         block.keep_weights = True
@@ -2599,13 +2730,26 @@ def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int)
         model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
         encoder, decoder = model.encoder.layers, model.decoder.layers
         return {
-            "encoder self-attention": [layer.self_attn.weights[0] for layer in encoder],
-            "decoder self-attention": [layer.self_attn.weights[0] for layer in decoder],
-            "encoder-decoder attention": [layer.cross_attn.weights[0] for layer in decoder],
+            "encoder self-attention": [layer.self_attn.weights[0].cpu() for layer in encoder],
+            "decoder self-attention": [layer.self_attn.weights[0].cpu() for layer in decoder],
+            "encoder-decoder attention": [layer.cross_attn.weights[0].cpu() for layer in decoder],
         }
     finally:
         for block in blocks:
             block.keep_weights, block.weights = False, None
+
+
+def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: dict):
+    """Greedy-translate one id list on the model's own device (the model stays where it
+    is); return the German tokens, the English tokens and the attention maps."""
+    de, en = vocabs["de"], vocabs["en"]
+    device = next(model.parameters()).device
+    src = torch.tensor(source, device=device)
+    src_mask = (src != de.pad_id).view(1, 1, -1)  # (B=1, 1, S)
+    ids = {"start_id": en.bos_id, "end_id": en.eos_id, "pad_id": en.pad_id}
+    output = greedy_decode(model, src.unsqueeze(0), src_mask, len(source) + 10, **ids)[0]
+    maps = attention_maps(model, src, output, en.pad_id)
+    return de.decode(source), en.decode(output.tolist()), maps
 
 
 # %% [markdown]
@@ -2651,21 +2795,9 @@ def attention_chart(
 
 # %%
 if __name__ == "__main__":
-    en_vocab, de_vocab = data.vocabs["en"], data.vocabs["de"]
-    sentence = torch.tensor(data.val[ATTENTION_SENTENCE][0])
-    sentence_mask = (sentence != de_vocab.pad_id).view(1, 1, -1)  # (B=1, 1, S)
-    output = greedy_decode(
-        model.cpu(),
-        sentence.unsqueeze(0),
-        sentence_mask,
-        len(sentence) + 10,
-        start_id=en_vocab.bos_id,
-        end_id=en_vocab.eos_id,
-        pad_id=en_vocab.pad_id,
-    )[0]
-    maps = attention_maps(model, sentence, output, en_vocab.pad_id)
-    src_tokens = de_vocab.decode(sentence.tolist())
-    tgt_tokens = en_vocab.decode(output.tolist())
+    src_tokens, tgt_tokens, maps = translate_with_attention(
+        model, data.val[ATTENTION_SENTENCE][0], data.vocabs
+    )
     print("German: ", " ".join(src_tokens), "\nEnglish:", " ".join(tgt_tokens))
     shown_layers = sorted({0, settings.N - 1})  # the first and the last layer
     assert maps["encoder-decoder attention"][0].shape == (
@@ -2748,12 +2880,25 @@ if __name__ == "__main__":
 # with the backward pass itself, so every rank applies the same update and the copies
 # never drift apart.
 #
-# Three consequences for our loop:
+# What that means for our loop:
 #
+# * **The loss is normalised over all ranks.** DDP *averages* the ranks' gradients.
+#   If each rank divided its loss by its own token count, the result would be a mean
+#   of the ranks' means, the trap of the accumulation section once more, since the
+#   ranks' shares hold different numbers of tokens. So before an epoch the ranks add up
+#   the token count of every optimizer step (one small all-reduce), and each rank
+#   divides its summed loss by that global count and multiplies by `W`, which DDP's
+#   average then divides away. A test checks that 2 ranks take exactly the steps of one
+#   process that sees each step's batches padded into one.
 # * **The effective batch** of one optimizer step is the per-rank batch × the number of
-#   ranks × `accum_iter`. The schedule counts optimizer steps, so with `W` ranks an epoch
-#   has `W` times fewer of them; we divide the warm-up by `W` to keep it at the same
-#   share of the data.
+#   ranks `W` × `accum_iter`, so an epoch has `W` times fewer steps. We keep the
+#   learning rate the same function of the data seen: optimizer step `s` of a `W`-rank
+#   run takes the rate of step `s·W` of a single process (`make_optimizer(...,
+#   ranks=W)`). The warm-up then covers the same share of the data and the peak rate
+#   stays the paper's $d_{\text{model}}^{-0.5} \cdot warmup^{-0.5}$. Dividing the
+#   warm-up by `W` instead would raise that peak by $\sqrt{W}$, a square-root scaling
+#   rule for bigger batches that some recipes use on purpose; we do not, so that a
+#   change of the number of GPUs changes as little as possible.
 # * **Gradient accumulation** must not all-reduce on every micro-batch: only the last
 #   micro-batch before a step needs the averaged gradient. `model.no_sync()` skips the
 #   communication on the others (`no_sync_factory` above feeds it to `run_epoch`).
@@ -2762,10 +2907,16 @@ if __name__ == "__main__":
 #   once. The list is first made divisible by `W` (by splitting the largest batches), so
 #   every rank runs the same number of steps; a rank with one step more would wait
 #   forever for its partners at the all-reduce.
+# * **Randomness**: every rank builds the model from the same seed, so the initial
+#   weights agree (DDP also copies rank 0's weights to the others when it wraps the
+#   model). Right after that, each rank re-seeds with a seed of its own
+#   (`seed_of_rank`), so the ranks draw different dropout masks; with one seed they
+#   would all drop the same units. A checkpoint keeps every rank's random states and
+#   its own loss and token totals, and each rank resumes from its own.
 #
-# Only rank 0 prints, draws progress bars and writes checkpoints; every rank waits at a
-# barrier before reading one, and the process group is torn down in a `finally`, also
-# when a rank fails.
+# Only rank 0 prints, draws progress bars and writes checkpoints. Rank 0 builds the
+# token and vocabulary caches while the others wait at a barrier, then they read them.
+# The process group is torn down in a `finally`, also when a rank fails.
 
 
 # %%
@@ -2774,7 +2925,6 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     import torch.distributed as dist
 
     settings = Settings(**settings_fields)
-    settings = dataclasses.replace(settings, warmup=max(1, settings.warmup // world_size))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

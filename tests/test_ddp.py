@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import ddp_child
 import pytest
 import torch
 from conftest import MIRROR, ROOT
@@ -48,29 +49,36 @@ def test_shards_are_disjoint_equal_and_cover_every_pair(world_size):
 
 
 def reference_training(settings, data, world_size):
-    """One process over the union of the ranks' batches, interleaved as the ranks see them."""
+    """One process, no accumulation: each optimizer step sees, padded into one batch, all
+    the pairs that the ranks' micro-batches of that step hold together."""
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs)
-    single = dataclasses.replace(settings, warmup=max(1, settings.warmup // world_size))
-    optimizer, schedule = at.make_optimizer(model, single)
+    optimizer, schedule = at.make_optimizer(model, settings, ranks=world_size)
     pad = data.vocabs["en"].pad_id
     criterion = at.FastLabelSmoothing(len(data.vocabs["en"]), pad, settings.label_smoothing)
+    per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
     for epoch in range(settings.epochs):
         indices = at.bucket_batches(
             data.train, settings.batch_tokens, seed=settings.seed, epoch=epoch
         )
-        batches = [
-            at.collate(data.train, b, pad) for b in at.divisible_batches(indices, world_size)
-        ]
-        at.run_epoch(
-            batches,
-            model,
-            criterion,
-            optimizer=optimizer,
-            schedule=schedule,
-            accum_iter=settings.accum_iter * world_size,
-        )
+        indices = at.divisible_batches(indices, world_size)
+        steps = [sum(indices[i : i + per_step], []) for i in range(0, len(indices), per_step)]
+        batches = [at.collate(data.train, step, pad) for step in steps]
+        at.run_epoch(batches, model, criterion, optimizer=optimizer, schedule=schedule)
     return model
+
+
+def test_the_ranks_shards_hold_different_numbers_of_tokens(tmp_path):
+    """The precondition of the equality below, from the deterministic batching alone."""
+    data = at.prepare_data(TINY, tmp_path)
+    indices = at.bucket_batches(data.train, TINY.batch_tokens, seed=TINY.seed, epoch=0)
+    shards = [at.shard_batches(indices, rank, 2) for rank in (0, 1)]
+    pad = data.vocabs["en"].pad_id
+    counts = [
+        at.tokens_per_step([at.collate(data.train, b, pad) for b in shard], TINY.accum_iter)
+        for shard in shards
+    ]
+    assert sum(a != b for a, b in zip(*counts, strict=True)) >= len(counts[0]) // 2
 
 
 def test_two_ranks_equal_one_process_on_the_union(tmp_path):
@@ -89,6 +97,47 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path):
     ]
     assert different == []
     assert len(final["history"]) == TINY.epochs
+
+
+def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path):
+    data = at.prepare_data(TINY, tmp_path)
+    cpu, weights, masks = torch.device("cpu"), [], []
+    for rank in (0, 1):
+        model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank, world_size=2)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        masks.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
+    assert torch.equal(weights[0], weights[1])
+    assert (masks[0] != masks[1]).float().mean() > 0.3  # independent masks differ in ~half
+    model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, 1, world_size=2)
+    again = torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0
+    assert torch.equal(again, masks[1]), "a rank's stream is the same on every run"
+
+
+def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
+    """2 ranks with dropout stop after optimizer step 5 (both raise); the restart resumes
+    from the step-4 checkpoint, each rank from its own totals and random states, and
+    ends bit-identical to an uninterrupted run, per-epoch train losses included."""
+    settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400, checkpoint_steps=2)
+    fields = dataclasses.asdict(settings)
+    at.prepare_data(settings, tmp_path / "straight")
+    ddp_child.spawn(fields, tmp_path / "straight", fail_at=0)
+    at.prepare_data(settings, tmp_path / "stopped")
+    with pytest.raises(Exception, match="stopped on purpose at step 5"):
+        ddp_child.spawn(fields, tmp_path / "stopped", fail_at=5)
+    folder = at.checkpoint_dir(settings, tmp_path / "stopped")
+    last = torch.load(folder / "last.pt", weights_only=True)
+    position = last["ranks"][0]["position"]
+    assert last["state"]["step"] == 4 and position["epoch"] == 0 and position["batches"] == 8
+    totals = [r["position"]["tokens"] for r in last["ranks"]]
+    assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
+    ddp_child.spawn(fields, tmp_path / "stopped", fail_at=0)
+    a, b = (
+        torch.load(at.checkpoint_dir(settings, tmp_path / run) / "final.pt", weights_only=True)
+        for run in ("straight", "stopped")
+    )
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    losses = [[(h["train_loss"], h["val_loss"]) for h in run["history"]] for run in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == settings.epochs
 
 
 def run_script(code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess, float]:

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import jupytext
 from conftest import ROOT
@@ -30,22 +29,21 @@ def test_committed_notebook_has_no_outputs():
     assert all(c["outputs"] == [] and c["execution_count"] is None for c in code)
 
 
-def test_importing_the_twin_is_fast_and_trains_nothing():
+def test_importing_the_twin_trains_and_loads_nothing():
+    """Importing the twin (as tests and DDP workers do) defines functions only: no copy
+    model, no data, no trained model. Its speed is not asserted here: timings belong in
+    benchmarks, not in unit tests on shared machines."""
     probe = (
-        "import time, torch; t = time.perf_counter();"
         "import annotated_transformer as at;"
-        "print(time.perf_counter() - t); print(hasattr(at, 'copy_model'))"
+        "print(sorted(n for n in ('copy_model', 'data', 'model', 'raw') if hasattr(at, n)))"
     )
-    start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", probe],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
+        timeout=120,
         env={"AT_PRESET": "smoke", "PATH": ""},
     ).stdout.split("\n")
-    import_seconds = float(out[-3])
-    assert out[-2] == "False", "importing the twin must not train the copy model"
-    assert import_seconds < 5.0, f"import took {import_seconds:.1f}s"
-    assert time.perf_counter() - start < 30
+    assert out[-2] == "[]", "importing the twin must not train, load data or build models"

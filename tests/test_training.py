@@ -147,6 +147,28 @@ def test_make_optimizer_follows_rate():
         schedule.step()
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_learning_rate_with_ranks_follows_the_data_seen_and_keeps_the_peak(ranks):
+    """Step s of a W-rank run gets rate((s + 1) * W): the single-process rate at the same
+    amount of data. The peak equals the single process's, not sqrt(W) times it."""
+    settings = at.Settings(name="t", d_model=64, warmup=40)
+    peaks = []
+    for world in (1, ranks):
+        optimizer, schedule = at.make_optimizer(nn.Linear(2, 2), settings, ranks=world)
+        lrs = []
+        for _ in range(200):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        for s in (0, 5, 50):
+            assert math.isclose(lrs[s], at.rate((s + 1) * world, d_model=64, warmup=40))
+        peaks.append(max(lrs))
+        if world > 1:
+            assert lrs.index(max(lrs)) + 1 == 40 // world  # warm-up over the same data
+    assert math.isclose(peaks[0], peaks[1], rel_tol=1e-12)
+    assert math.isclose(peaks[0], 64**-0.5 * 40**-0.5)
+
+
 # --- run_epoch and gradient accumulation -----------------------------------------------
 
 
@@ -203,6 +225,73 @@ def test_accumulated_micro_batches_equal_one_big_batch(make_opt):
     assert train(whole, [concat(micro)], make_opt, accum_iter=1).step == 1
     assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
     assert_same_parameters(accumulated, whole)
+
+
+def padded_union(batches):
+    """One batch holding the sentence pairs of batches of any lengths, padded."""
+    sources = [src for b in batches for src in b.src]
+    # the full target is tgt_in followed by the last token of tgt_out
+    targets = [
+        torch.cat([b.tgt_in[i], b.tgt_out[i, -1:]]) for b in batches for i in range(len(b.src))
+    ]
+    src = nn.utils.rnn.pad_sequence(sources, batch_first=True, padding_value=PAD)
+    tgt = nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=PAD)
+    return at.Batch(src, tgt, PAD)
+
+
+def unequal_micro_batches():
+    """Two micro-batches with 11 and 2 real target tokens, the shape of the review's check."""
+    long = random_batch(batch_size=1, length=10)  # 10 words + </s> = 11 target tokens
+    short = random_batch(batch_size=1, length=1)  # 1 word + </s> = 2
+    return [long, short]
+
+
+@pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd", "adam"])
+def test_micro_batches_of_unequal_size_equal_one_big_batch(make_opt):
+    """Accumulating micro-batches of 11 and 2 real target tokens makes the update of one
+    padded batch of all the pairs: the loss is divided by the step's 13 tokens, not
+    averaged over the two micro-batch means."""
+    micro = unequal_micro_batches()
+    assert [b.ntokens for b in micro] == [11, 2]
+    whole_batch = padded_union(micro)
+    assert whole_batch.ntokens == 13 and whole_batch.src.size(1) > micro[1].src.size(1)
+    start = tiny_model()
+    accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
+    assert train(accumulated, micro, make_opt, accum_iter=2).step == 1
+    assert train(whole, [whole_batch], make_opt, accum_iter=1).step == 1
+    assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
+    assert_same_parameters(accumulated, whole, atol=1e-5)
+
+
+def test_tokens_per_step_sums_each_group_including_a_short_last_one():
+    batches = [random_batch(1, n) for n in (3, 1, 4, 2, 5)]  # n + 1 target tokens each
+    assert at.tokens_per_step(batches, accum_iter=2) == [4 + 2, 5 + 3, 6]
+    assert at.tokens_per_step(batches, accum_iter=1) == [4, 2, 5, 3, 6]
+
+
+def test_ranks_scale_the_loss_that_ddp_averages():
+    """With step_tokens counted over W ranks and ranks=W, one rank's gradient is W times
+    its share of the global mean, so DDP's average over ranks gives the global mean."""
+    micro = unequal_micro_batches()
+    start = tiny_model()
+    grads = []
+    for ranks, step_tokens in ((1, None), (2, [26])):  # 26: as if another rank had 13 too
+        model = copy.deepcopy(start)
+        optimizer, schedule = sgd(model, lr=0.0)  # lr 0: keep the gradient, move nothing
+        optimizer.zero_grad = lambda set_to_none=True: None  # keep .grad for the check
+        at.run_epoch(
+            micro,
+            model,
+            at.LabelSmoothing(V, PAD, 0.1),
+            optimizer=optimizer,
+            schedule=schedule,
+            accum_iter=2,
+            ranks=ranks,
+            step_tokens=step_tokens,
+        )
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().max() > 1e-3
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)  # 2 / 26 == 1 / 13
 
 
 def test_short_last_group_gets_its_own_full_step():

@@ -291,19 +291,6 @@ def reference_collate(text_pairs, tokenizers: dict, vocabs: dict) -> at.Batch:
     return at.Batch(sides[0], sides[1], vocabs["en"].pad_id)
 
 
-class OnDevice:
-    """A DataLoader's batches moved to `device` as they are drawn (run_epoch needs len)."""
-
-    def __init__(self, loader, device):
-        self.loader, self.device = loader, device
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        return (batch.to(self.device) for batch in self.loader)
-
-
 def run_reference(text_pairs, training, tokenizers, settings, vocabs) -> at.TrainState:
     """One pass of the reference loop over raw text; returns what it counted."""
     model, optimizer, schedule = training
@@ -317,8 +304,10 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs) -> at.Trai
     )
     criterion = at.LabelSmoothing(len(vocabs["en"]), vocabs["en"].pad_id, settings.label_smoothing)
     state = at.TrainState()
+    # the loader tokenizes and pads as it is drawn; run_epoch needs each optimizer step's
+    # token count up front, so the epoch's batches are drawn first (inside the timing)
     at.run_epoch(
-        OnDevice(loader, device),
+        [batch.to(device) for batch in loader],
         model,
         criterion,
         optimizer=optimizer,
