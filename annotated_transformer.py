@@ -1996,9 +1996,11 @@ def start_or_resume(settings, vocabs, device, data_dir, rank: int = 0, world_siz
     last = checkpoint_dir(settings, data_dir) / "last.pt"
     if last.is_file():
         checkpoint = load_checkpoint(last, settings, vocabs)
-        if len(checkpoint.get("ranks", [])) != world_size:
+        if "ranks" not in checkpoint:
+            raise CheckpointError(f"{last} is from an older version of this notebook: delete it")
+        if len(checkpoint["ranks"]) != world_size:
             raise CheckpointError(
-                f"{last} was written by a run on {len(checkpoint.get('ranks', []))} "
+                f"{last} was written by a run on {len(checkpoint['ranks'])} "
                 f"process(es), not {world_size}: resume with as many, or delete it"
             )
         model.load_state_dict(checkpoint["model"])

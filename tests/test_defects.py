@@ -138,3 +138,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
     with pytest.raises(at.CheckpointError, match=r"on 1 process\(es\), not 2"):
         at.start_or_resume(settings, data.vocabs, cpu, tmp_path, rank=0, world_size=2)
     at.start_or_resume(settings, data.vocabs, cpu, tmp_path)  # the same count resumes
+    del content["ranks"]  # a checkpoint written before ranks kept their own states
+    at.save_checkpoint(at.checkpoint_dir(settings, tmp_path) / "last.pt", **content)
+    with pytest.raises(at.CheckpointError, match="from an older version of this notebook"):
+        at.start_or_resume(settings, data.vocabs, cpu, tmp_path)
