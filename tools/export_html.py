@@ -22,7 +22,8 @@ import vl_convert
 from latex2mathml.converter import convert as latex_to_mathml
 from nbconvert import HTMLExporter
 
-VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+\+json")
+# Altair 5 says application/vnd.vegalite.v5+json; Altair 6 says ...v6.json (a dot, not "+").
+VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+[+.]json")
 DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
 INLINE_MATH = re.compile(r"(?<![\\$])\$(?!\$)(.+?)(?<!\\)\$")
 # Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
