@@ -1,14 +1,22 @@
-# The project's commands; see README.md. `make run` and `make test` set themselves up.
+# The project's commands; see README.md. `make run`, `make test` and `make lab` set themselves up.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOK := annotated_transformer.ipynb
+# The notebook's kernel: a name of its own, so it is never confused with another python3.
+KERNEL := annotated-transformer
+KERNEL_DISPLAY := Annotated Transformer (.venv)
 # Use the kernel installed in .venv, never one a user may have elsewhere.
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter
 export PYTHONPATH := $(CURDIR)
+# JupyterLab refuses to run as root (as in many containers) unless told it may.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# The compatibility environment: the oldest versions we claim (README, "Versions").
+COMPAT_VENV := .venv-compat
+COMPAT_PINS := altair==5.5.0 pandas==2.2.3 numpy==2.1.3  # replace these three of requirements.txt
 
-.PHONY: setup run test bench html lint sync clean
+.PHONY: setup kernel lab run test test-compat bench html lint sync clean
 
 setup: $(STAMP)
 
@@ -16,18 +24,37 @@ $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (.venv)" >/dev/null
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)" >/dev/null
 	touch $(STAMP)
 
+# For readers who run their own Jupyter: the same kernel, installed for this user.
+kernel: setup
+	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
+
+lab: setup
+	$(PY) -m jupyterlab $(NOTEBOOK) $(ALLOW_ROOT)
+
 run: setup
-	mkdir -p build
-	$(PY) -m jupyter nbconvert --to notebook --execute $(NOTEBOOK) --output-dir build \
-		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3
-	$(MAKE) html
+	$(PY) tools/run_notebook.py $(NOTEBOOK) build/$(NOTEBOOK)
+	$(MAKE) --no-print-directory html
+	@echo "executed notebook: $(CURDIR)/build/$(NOTEBOOK)"
+	@echo "page (offline):    $(CURDIR)/build/annotated_transformer.html"
+	@echo "results:           $(CURDIR)/build/results.json"
 
 test: setup
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
+
+# The smoke notebook under the oldest versions we support (torch and Python as here).
+test-compat: setup
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	grep -v -E '^(altair|pandas|numpy)==' requirements.txt > $(COMPAT_VENV)/requirements.txt
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -r $(COMPAT_VENV)/requirements.txt $(COMPAT_PINS)
+	$(COMPAT_VENV)/bin/python -c "import altair, numpy, pandas, sys, torch; print('compat:', \
+		'Python', sys.version.split()[0], 'torch', torch.__version__, 'altair', altair.__version__, \
+		'pandas', pandas.__version__, 'numpy', numpy.__version__)"
+	AT_PRESET=smoke AT_BUILD_DIR=build/compat $(COMPAT_VENV)/bin/python -m pytest $(NOTEBOOK) \
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=900 -q
 
 # Benchmarks (see tools/bench.py): writes build/bench.json and prints a table.
 bench: setup

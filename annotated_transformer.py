@@ -8,13 +8,18 @@
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Annotated Transformer (.venv)
 #     language: python
-#     name: python3
+#     name: annotated-transformer
 # ---
 
 # %% [markdown]
 # # The Annotated Transformer, rebuilt
+#
+# [![Open In Colab][colab-badge]][colab]
+#
+# [colab-badge]: https://colab.research.google.com/assets/colab-badge.svg
+# [colab]: https://colab.research.google.com/github/OWNER/annotated-transformer/blob/main/annotated_transformer.ipynb
 #
 # This notebook builds the model of *Attention Is All You Need* (Vaswani et al., 2017)
 # from its parts, one cell at a time, and then teaches it to translate German into
@@ -33,6 +38,29 @@
 # * Shapes use these letters: `B` batch size, `T` target length, `S` source length,
 #   `h` number of heads, `d_k` size of one head, `V` vocabulary size.
 
+# %%
+# On Google Colab only: install the few packages Colab lacks. Anywhere else (JupyterLab,
+# VS Code, the tests, importing the .py twin) this cell does nothing.
+import sys
+
+# The project's public home. OWNER is a placeholder until the project is published.
+REPO_URL = "https://github.com/OWNER/annotated-transformer"
+COLAB_NEEDS = {"sacrebleu": "sacrebleu==2.6.0", "sacremoses": "sacremoses==0.2.0"}
+
+if __name__ == "__main__" and "google.colab" in sys.modules:
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    missing = [pin for module, pin in COLAB_NEEDS.items() if not importlib.util.find_spec(module)]
+    # Colab's torch, numpy and pandas are already loaded: pin them, so pip never replaces them.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as keep:
+        for name in ("torch", "numpy", "pandas"):
+            keep.write(f"{name}=={importlib.metadata.version(name)}\n")
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", keep.name, *missing])
+
 # %% [markdown]
 # ## Prelims
 #
@@ -48,6 +76,7 @@ import platform
 import random
 import shutil
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +87,13 @@ import torch
 import torch.nn.functional as F
 from IPython.display import display
 from torch import Tensor, nn
+
+# Charts: JupyterLab, VS Code and our HTML export draw Altair's Vega-Lite v5 output with
+# their own copy of Vega, so charts show offline; Colab is online and draws Altair's HTML.
+if "google.colab" not in sys.modules:
+    if not alt.SCHEMA_VERSION.startswith("v5"):
+        raise ImportError(f"altair {alt.__version__}: this notebook needs 5.5 (make setup)")
+    alt.renderers.enable("mimetype")
 
 # %% [markdown]
 # One seed drives every random choice: weight initialisation, dropout, batch order and
@@ -3005,10 +3041,14 @@ def train_distributed(settings: Settings, world_size: int | None = None, data_di
 # %% [markdown]
 # A short demonstration with the `smoke` settings under their own name, so that it
 # neither reuses nor overwrites the single-process checkpoints. A failing rank raises
-# here with that rank's error message; the other ranks are stopped.
+# here with that rank's error message; the other ranks are stopped. The workers import
+# `annotated_transformer.py`, so where that file is missing (a notebook opened alone, as
+# on Colab) the cell says so and skips the demonstration.
+
 
 # %%
-if __name__ == "__main__":
+def ddp_demonstration() -> None:
+    """Train the smoke model with 2 ranks and print each epoch's losses."""
     ddp_settings = dataclasses.replace(get_settings("smoke"), name="smoke-ddp")
     shutil.rmtree(checkpoint_dir(ddp_settings), ignore_errors=True)  # always a fresh run
     ranks = train_distributed(ddp_settings)
@@ -3019,6 +3059,15 @@ if __name__ == "__main__":
             f"val loss {h['val_loss']:.3f}"
         )
     assert len(ddp_final["history"]) == ddp_settings.epochs
+
+
+if __name__ == "__main__":
+    import importlib.util
+
+    if importlib.util.find_spec("annotated_transformer") is None:  # e.g. on Colab
+        print(f"skipped: DDP needs annotated_transformer.py: clone {REPO_URL}, run `make lab`")
+    else:
+        ddp_demonstration()
 
 # %% [markdown]
 # **On one or several machines with `torchrun`.** The same worker runs under PyTorch's

@@ -1,7 +1,6 @@
 """The teaching page: exported offline, every chart renders in headless Chromium."""
 
 import re
-import shutil
 import subprocess
 import sys
 
@@ -12,22 +11,19 @@ from nbclient import NotebookClient
 
 sys.path.insert(0, str(ROOT / "tools"))
 import export_html  # noqa: E402
+from lab_browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 BUILD = ROOT / "build" / "smoke"
-OFFLINE_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-    "--no-first-run",
-    # no network: every host name fails to resolve and any proxy use goes nowhere
-    "--host-resolver-rules=MAP * ~NOTFOUND",
-    "--proxy-server=127.0.0.1:9",
-]
+OFFLINE_FLAGS = ["--headless", *CHROMIUM_FLAGS]
+
+
+@pytest.mark.parametrize(
+    "mime", ["application/vnd.vegalite.v5+json", "application/vnd.vegalite.v6.json"]
+)
+def test_chart_spec_reads_the_mime_types_of_altair_5_and_6(mime):
+    spec = {"mark": "point", "$schema": "https://vega.github.io/schema/vega-lite/v6.json"}
+    assert export_html.chart_spec({mime: spec, "text/plain": "<chart>"}) == spec
+    assert export_html.chart_spec({"text/plain": "<chart>"}) is None
 
 
 @pytest.fixture(scope="module")

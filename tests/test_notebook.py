@@ -1,10 +1,13 @@
 """The notebook and its py:percent twin: in sync, clean, and cheap to import."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jupytext
+import torch
 from conftest import ROOT
 
 NOTEBOOK = ROOT / "annotated_transformer.ipynb"
@@ -47,3 +50,35 @@ def test_importing_the_twin_trains_and_loads_nothing():
         env={"AT_PRESET": "smoke", "PATH": ""},
     ).stdout.split("\n")
     assert out[-2] == "[]", "importing the twin must not train, load data or build models"
+
+
+def colab_cell_source():
+    cell = jupytext.read(NOTEBOOK).cells[1]
+    assert "google.colab" in cell.source, "the first code cell is the Colab cell"
+    return cell.source
+
+
+def test_colab_cell_installs_only_what_is_missing_and_keeps_torch_numpy_pandas(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **_: calls.append(args))
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # pretend Colab lacks sacremoses only
+        importlib.util, "find_spec", lambda n: None if n == "sacremoses" else real_find_spec(n)
+    )
+    exec(colab_cell_source(), {"__name__": "__main__"})
+    (command,) = calls
+    assert command[-1] == "sacremoses==0.2.0" and "sacrebleu==2.6.0" not in command
+    keep = Path(command[command.index("-c") + 1]).read_text().split()
+    assert sorted(k.split("==")[0] for k in keep) == ["numpy", "pandas", "torch"]
+    assert f"torch=={torch.__version__}" in keep
+
+
+def test_colab_cell_does_nothing_outside_colab(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **_: calls.append(args))
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    exec(colab_cell_source(), {"__name__": "__main__"})
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    exec(colab_cell_source(), {"__name__": "annotated_transformer"})  # imported, or a worker
+    assert calls == []

@@ -16,13 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import altair as alt
 import nbformat
 import vl_convert
 from latex2mathml.converter import convert as latex_to_mathml
 from nbconvert import HTMLExporter
 
-VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+\+json")
+# Altair 5 says application/vnd.vegalite.v5+json; Altair 6 says ...v6.json (a dot, not "+").
+VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+[+.]json")
 DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
 INLINE_MATH = re.compile(r"(?<![\\$])\$(?!\$)(.+?)(?<!\\)\$")
 # Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
@@ -41,6 +41,9 @@ def math_to_mathml(markdown: str) -> str:
 def chart_html(spec: dict, number: int) -> str:
     """A div and the script that draws one Vega-Lite spec into it."""
     target = f"altair-chart-{number}"
+    # The page's compiler is Vega-Lite 6 (see export), which reads v5 specs; without the
+    # $schema, vega-embed does not log that the spec names an older version.
+    spec = {key: value for key, value in spec.items() if key != "$schema"}
     spec_json = json.dumps(spec).replace("</", "<\\/")
     return (
         f'<div id="{target}" class="altair-chart"></div>\n<script>'
@@ -85,8 +88,9 @@ def export(source: Path, target: Path) -> int:
     charts = inline_charts(notebook)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
     body = REMOTE_SCRIPT.sub("", body)
-    version = alt.SCHEMA_VERSION.lstrip("v").rsplit(".", 1)[0]  # "6.4" from "v6.4.1"
-    bundle = vl_convert.javascript_bundle(vl_version=version)
+    # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
+    # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
+    bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])
     bundle = bundle.replace("</script", "<\\/script").replace("<!--", "<\\!--")  # stay in <script>
     body = body.replace("<head>", f"<head>\n<script>(function () {{\n{bundle}\n}})();</script>", 1)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,95 @@
+"""Execute the notebook with papermill, showing where it is and how long it has run.
+
+    python tools/run_notebook.py annotated_transformer.ipynb build/annotated_transformer.ipynb
+
+Prints a line with the elapsed time whenever execution enters a new section of the
+notebook, and passes the kernel's own output (the training progress bars among it)
+straight through to this terminal as it arrives.
+"""
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import papermill
+from papermill.engines import NBClientEngine, papermill_engines
+from traitlets.config import Config
+
+HEADING = re.compile(r"^(#{2,3})\s+(.+)$", re.MULTILINE)
+
+
+def sections(notebook) -> list[str]:
+    """For each cell, the "Part › section" headings it sits under."""
+    part = section = ""
+    found = []
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            for hashes, title in HEADING.findall(cell.source):
+                if len(hashes) == 2:
+                    part, section = title.strip(), ""
+                else:
+                    section = title.strip()
+        found.append(" › ".join(t for t in (part, section) if t))
+    return found
+
+
+def clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+
+
+class ProgressEngine(NBClientEngine):
+    """papermill's nbclient engine, announcing each section as execution enters it."""
+
+    @classmethod
+    def execute_managed_notebook(cls, nb_man, kernel_name, **kwargs):
+        titles = sections(nb_man.nb)
+        code_cells = sum(c.cell_type == "code" for c in nb_man.nb.cells)
+        start, started = time.monotonic(), nb_man.cell_start
+        shown = {"title": None, "code": 0}
+
+        def cell_start(cell, cell_index=None, **more):
+            shown["code"] += cell.cell_type == "code"
+            title = titles[cell_index] if cell_index is not None else ""
+            if title != shown["title"]:
+                shown["title"] = title
+                elapsed = clock(time.monotonic() - start)
+                print(f"[{elapsed}] cell {shown['code']}/{code_cells}  {title}", flush=True)
+            return started(cell, cell_index, **more)
+
+        nb_man.cell_start = cell_start
+        return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, help="the notebook to run")
+    parser.add_argument("target", type=Path, help="where to write the executed notebook")
+    args = parser.parse_args()
+    if not args.source.is_file():
+        sys.exit(f"{args.source} does not exist: run this from the project's folder")
+    args.target.parent.mkdir(parents=True, exist_ok=True)
+    papermill_engines.register("progress", ProgressEngine)
+    notebook = nbformat.read(args.source, as_version=4)
+    print(f"running {args.source} ({len(notebook.cells)} cells); the kernel's output follows")
+    start = time.monotonic()
+    papermill.execute_notebook(
+        str(args.source),
+        str(args.target),
+        engine_name="progress",
+        cwd=str(args.source.resolve().parent),
+        progress_bar=False,
+        stdout_file=sys.stdout,
+        stderr_file=sys.stderr,
+        # Unix sockets between us and the kernel: nothing on the network, so the kernel
+        # has no reason to warn that its TCP traffic is unencrypted.
+        config=Config({"KernelManager": {"transport": "ipc"}}),
+    )
+    print(f"[{clock(time.monotonic() - start)}] done: executed notebook in {args.target}")
+
+
+if __name__ == "__main__":
+    main()
