@@ -62,6 +62,38 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", keep.name, *missing])
 
 # %% [markdown]
+# ## Contents
+#
+# Headings carry the paper's section numbers (§3.2.1 and so on), so the notebook can be
+# read beside the paper.
+#
+# 1. [Prelims](#Prelims): imports, settings and presets
+# 2. [Background](#Background): why attention (the paper's §1, §2 and §4)
+# 3. [Part 1: the model](#Part-1:-the-model): embeddings and positions (§3.4, §3.5),
+#    attention (§3.2), the feed-forward block (§3.3), residual connections and the
+#    encoder and decoder stacks (§3.1), the full model (§3)
+# 4. [Part 2: training machinery](#Part-2:-training-machinery): masks (§3.2.3), label
+#    smoothing (§5.4), the optimizer and its schedule (§5.3), gradient accumulation,
+#    greedy decoding
+# 5. [A first test: the copy task](#A-first-test:-the-copy-task)
+# 6. [Part 3: a real task, German to English on Multi30k][part-3]:
+#    data, tokens, vocabularies, batches (§5.1), training with checkpoints
+# 7. [Translating and scoring](#Translating-and-scoring): beam search (§6.1), cached
+#    decoding, BLEU, your own sentences
+# 8. [Looking inside: attention heatmaps](#Looking-inside:-attention-heatmaps)
+# 9. [What the paper did that we do not](#What-the-paper-did-that-we-do-not): its data,
+#    hardware and results (§5, §6), shared sub-word vocabularies, learned positions,
+#    checkpoint averaging
+# 10. [Part 4: training on several GPUs (and several machines)][part-4] (§5.2)
+#
+# [part-3]: #Part-3:-a-real-task,-German-to-English-on-Multi30k
+# [part-4]: #Part-4:-training-on-several-GPUs-(and-several-machines)
+#
+# ![The Transformer as built in this notebook: encoder (left) and decoder (right) stacks
+# of N layers, embeddings and positional encodings below, the Generator on
+# top](figures/transformer.svg)
+
+# %% [markdown]
 # ## Prelims
 #
 # Everything the notebook imports, in one place.
@@ -75,7 +107,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,6 +167,7 @@ class Settings:
     d_ff: int = 2048  # inner width of the feed-forward sub-layer
     h: int = 8  # attention heads
     dropout: float = 0.1  # the paper's P_drop
+    attention_dropout: float = 0.0  # on attention weights; the paper specifies none
     pre_norm: bool = False  # False is the paper's post-norm
     use_sdpa: bool = True  # PyTorch's fused attention kernel (same maths, faster)
     max_len: int = 64  # longest sentence, in tokens with <s> and </s>, kept for training
@@ -249,14 +281,18 @@ except ValueError as error:
 # stacks, and finally the assembled model.
 
 # %% [markdown]
-# ### Embeddings
+# ### Embeddings (§3.4)
 #
 # > "we use learned embeddings to convert the input tokens and output tokens to vectors
 # > of dimension $d_{\text{model}}$ ... In the embedding layers, we multiply those
 # > weights by $\sqrt{d_{\text{model}}}$."
 #
-# > Our note: the scaling keeps the embeddings on a similar scale to the positional
-# > encodings that are added to them next (those lie in $[-1, 1]$).
+# > Why $\sqrt{d_{\text{model}}}$? The paper does not say. Its reference code,
+# > tensor2tensor, initialised the embeddings from $N(0, d_{\text{model}}^{-1/2})$
+# > and multiplied them by $\sqrt{d_{\text{model}}}$ (`modalities.py`), so each
+# > component enters the model with a standard deviation of about 1, the scale of the
+# > positional encodings added next (which lie in $[-1, 1]$). We initialise embeddings
+# > Xavier-uniform like every other matrix (see `make_model`), so ours start smaller.
 
 
 # %%
@@ -278,7 +314,7 @@ embed = TokenEmbedding(vocab_size=11, d_model=8)
 assert embed(torch.tensor([[1, 2, 3]])).shape == (1, 3, 8)
 
 # %% [markdown]
-# ### Positional encoding
+# ### Positional encoding (§3.5)
 #
 # Attention treats its input as a set, so the model must be told where each token
 # stands. The paper adds a fixed vector to each embedding:
@@ -335,7 +371,7 @@ alt.Chart(pe_frame, title="Positional encoding, dimensions 4 to 7").mark_line().
 ).properties(width=600, height=200)
 
 # %% [markdown]
-# ### Scaled dot-product attention
+# ### Scaled dot-product attention (§3.2.1)
 #
 # > "An attention function can be described as mapping a query and a set of key-value
 # > pairs to an output ... The output is computed as a weighted sum of the values, where
@@ -350,8 +386,11 @@ alt.Chart(pe_frame, title="Positional encoding, dimensions 4 to 7").mark_line().
 #
 # > Our convention for masks, used everywhere below: a boolean tensor, `True` where a
 # > query **may** attend to a key. Masked scores are set to the most negative float
-# > rather than `-inf`, so a row that is entirely masked gives uniform weights instead
-# > of `NaN`.
+# > rather than `-inf`, so in `attention()` a row that is entirely masked gives uniform
+# > weights instead of `NaN`. PyTorch's fused kernel, used below when `use_sdpa` is
+# > on, handles such a row its own way (`NaN` in older versions, zeros in newer ones),
+# > so the model never relies on it: every query may always see at least the first
+# > source token and its own `<s>`.
 
 
 # %%
@@ -385,7 +424,7 @@ out, w = attention(query=q, key=k, value=v, mask=torch.tensor([[[True, True, Fal
 assert w[0, 0, 2] == 0 and torch.allclose(out, torch.tensor([[[1.0]]]), atol=1e-3)
 
 # %% [markdown]
-# ### Multi-head attention
+# ### Multi-head attention (§3.2.2, §3.2.3)
 #
 # > "Instead of performing a single attention function with $d_{\text{model}}$-dimensional
 # > keys, values and queries, we found it beneficial to linearly project the queries,
@@ -468,7 +507,7 @@ except ValueError as error:
 # attention (queries from the decoder, keys and values from the encoder's output).
 
 # %% [markdown]
-# ### Position-wise feed-forward network
+# ### Position-wise feed-forward network (§3.3)
 #
 # > "each of the layers in our encoder and decoder contains a fully connected
 # > feed-forward network, which is applied to each position separately and identically."
@@ -478,11 +517,19 @@ except ValueError as error:
 # with inner width $d_{ff} = 2048$ in the base model. Dropout is applied outside, by
 # the residual sub-layer (next section), as in the paper.
 #
-# > PyTorch's `TransformerEncoderLayer` and the paper's reference code also drop out
-# > the hidden activations $\max(0, xW_1 + b_1)$. The paper does not, and on a CPU
-# > that extra mask over the widest tensor of the layer costs about a tenth of the
-# > training time, so we leave it out. (In eval mode, with no dropout, our layers and
-# > PyTorch's compute the same function; the tests check it.)
+# > **Where dropout goes.** The paper (§5.4) puts dropout in exactly two places: on
+# > each sub-layer's output before the residual addition, and on the sums of
+# > embeddings and positional encodings. It describes none on the attention weights
+# > for translation (it names attention dropout once, for its parsing experiment in
+# > §6.3) and none on the FFN's hidden activations $\max(0, xW_1 + b_1)$. The
+# > reference code of the time agrees: tensor2tensor's `transformer_base_v1` sets
+# > `attention_dropout` and `relu_dropout` to 0. Its later `transformer_base_v2` set
+# > both to 0.1 and moved to pre-norm, and PyTorch's `nn.TransformerEncoderLayer` drops
+# > out both as well. We follow the paper: no FFN dropout, and attention-weight dropout
+# > only if `Settings.attention_dropout` is raised from its default 0. (On a CPU the
+# > extra FFN mask would also cost about a tenth of the training time. In eval mode,
+# > with no dropout, our layers and PyTorch's compute the same function; the tests
+# > check it.)
 
 
 # %%
@@ -503,7 +550,7 @@ class FeedForward(nn.Module):
 assert FeedForward(d_model=8, d_ff=32)(torch.randn(2, 3, 8)).shape == (2, 3, 8)
 
 # %% [markdown]
-# ### Residual connection and layer normalisation
+# ### Residual connection and layer normalisation (§3.1)
 #
 # > "We employ a residual connection around each of the two sub-layers, followed by layer
 # > normalization. That is, the output of each sub-layer is
@@ -511,18 +558,19 @@ assert FeedForward(d_model=8, d_ff=32)(torch.randn(2, 3, 8)).shape == (2, 3, 8)
 # > each sub-layer, before it is added to the sub-layer input and normalized."
 #
 # > **Post-norm versus pre-norm.** The formula above normalises *after* the addition
-# > ("post-norm"), which is what the paper did. Many later models (and the well-known
-# > 2018 notebook, without saying so) normalise the sub-layer's *input* instead:
-# > $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ ("pre-norm"). The difference matters
-# > for training. In post-norm every residual sum passes through a normalisation, so the
-# > gradient reaching the early layers is rescaled many times; deep post-norm models
-# > need the learning-rate warm-up to train at all. In pre-norm the residual path from
-# > the input to the output is a plain sum, gradients flow through it undisturbed, and
-# > training is more forgiving, often working with little or no warm-up. The cost is
-# > that the sum grows layer by layer, so a pre-norm stack needs one last layer norm at
-# > its top, and post-norm tends to end slightly better when it does train well
-# > (Xiong et al., 2020, "On Layer Normalization in the Transformer Architecture").
-# > We follow the paper by default; `pre_norm=True` switches every layer.
+# > ("post-norm"), which is what the paper did. Many later models normalise the
+# > sub-layer's *input* instead: $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$
+# > ("pre-norm"). The well-known 2018 notebook is one of them, and its
+# > `SublayerConnection` docstring says so ("the norm is first as opposed to last").
+# > Xiong et al. (2020, "On Layer Normalization in the Transformer Architecture")
+# > show that at initialisation a post-norm Transformer has large expected gradients
+# > for the parameters near the output, which is why it needs the learning-rate
+# > warm-up; pre-norm keeps them well-behaved, and their pre-norm models trained
+# > without any warm-up to comparable results. Pre-norm's residual path is a plain
+# > sum from input to output, so its stack needs one last layer norm at the top. Liu
+# > et al. (2020, "Understanding the Difficulty of Training Transformers") find
+# > pre-norm the more robust of the two but post-norm typically the better when it
+# > does train. We follow the paper by default; `pre_norm=True` switches every layer.
 
 
 # %%
@@ -552,7 +600,7 @@ assert torch.allclose(y.mean(-1), torch.zeros(2, 3), atol=1e-5)  # output is nor
 assert torch.allclose(pre(x, lambda t: torch.zeros_like(t)), x)  # identity path is kept
 
 # %% [markdown]
-# ### Encoder
+# ### Encoder (§3.1)
 #
 # > "The encoder is composed of a stack of $N = 6$ identical layers. Each layer has two
 # > sub-layers. The first is a multi-head self-attention mechanism, and the second is a
@@ -566,7 +614,8 @@ class EncoderLayer(nn.Module):
     def __init__(self, d_model: int, h: int, d_ff: int, dropout: float, **options):
         super().__init__()
         pre_norm, use_sdpa = options.get("pre_norm", False), options.get("use_sdpa", False)
-        self.self_attn = MultiHeadAttention(h, d_model, dropout, use_sdpa)
+        attention_dropout = options.get("attention_dropout", 0.0)
+        self.self_attn = MultiHeadAttention(h, d_model, attention_dropout, use_sdpa)
         self.feed_forward = FeedForward(d_model, d_ff)
         self.attn_sublayer = ResidualSublayer(d_model, dropout, pre_norm)
         self.ff_sublayer = ResidualSublayer(d_model, dropout, pre_norm)
@@ -597,7 +646,7 @@ src_mask = torch.tensor([[[True, True, True, False]]])  # (B=1, 1, S=4): last is
 assert encoder(torch.randn(1, 4, 16), src_mask).shape == (1, 4, 16)
 
 # %% [markdown]
-# ### Decoder
+# ### Decoder (§3.1)
 #
 # > "In addition to the two sub-layers in each encoder layer, the decoder inserts a third
 # > sub-layer, which performs multi-head attention over the output of the encoder stack
@@ -615,8 +664,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, d_model: int, h: int, d_ff: int, dropout: float, **options):
         super().__init__()
         pre_norm, use_sdpa = options.get("pre_norm", False), options.get("use_sdpa", False)
-        self.self_attn = MultiHeadAttention(h, d_model, dropout, use_sdpa)
-        self.cross_attn = MultiHeadAttention(h, d_model, dropout, use_sdpa)
+        attention_dropout = options.get("attention_dropout", 0.0)
+        self.self_attn = MultiHeadAttention(h, d_model, attention_dropout, use_sdpa)
+        self.cross_attn = MultiHeadAttention(h, d_model, attention_dropout, use_sdpa)
         self.feed_forward = FeedForward(d_model, d_ff)
         self.self_sublayer = ResidualSublayer(d_model, dropout, pre_norm)
         self.cross_sublayer = ResidualSublayer(d_model, dropout, pre_norm)
@@ -651,7 +701,7 @@ tgt_mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0)  # (1, T=3, T=
 assert decoder(torch.randn(1, 3, 16), memory, src_mask, tgt_mask).shape == (1, 3, 16)
 
 # %% [markdown]
-# ### Output generator
+# ### Output generator (§3.4)
 #
 # > "We also use the usual learned linear transformation and softmax function to convert
 # > the decoder output to predicted next-token probabilities."
@@ -678,7 +728,7 @@ log_probs = Generator(d_model=16, vocab_size=11)(torch.randn(2, 3, 16))
 assert torch.allclose(log_probs.exp().sum(-1), torch.ones(2, 3))
 
 # %% [markdown]
-# ### The full model
+# ### The full model (§3)
 #
 # The encoder-decoder ties the pieces together: embed and position the source, encode
 # it once, then decode the target prefix against that memory. `encode` and `decode` are
@@ -708,24 +758,29 @@ class EncoderDecoder(nn.Module):
 # %% [markdown]
 # `make_model` builds one with the paper's base sizes as defaults.
 #
-# > Two choices the paper does not spell out, flagged here. *Initialisation*: every
-# > weight matrix starts Glorot/Xavier-uniform, as in the paper's reference code.
-# > *Weight sharing*: the paper shares one matrix between both embeddings and the
-# > output projection, which works because it uses one joint sub-word vocabulary. We
-# > keep separate German and English vocabularies, so we share only what can be
-# > shared: the target embedding and the generator's projection (`tie_output=True`).
-# > It saves `V x d_model` parameters and helps on a corpus as small as Multi30k.
+# > Two choices, flagged here. *Initialisation*, on which the paper is silent: every
+# > weight matrix starts Glorot/Xavier-uniform, as in PyTorch's own `nn.Transformer`
+# > and the well-known notebook. *Weight sharing*: the paper (§3.4) shares one matrix
+# > between both embeddings and the output projection, which works because it uses one
+# > joint sub-word vocabulary for both languages. We keep separate German and English
+# > vocabularies, so we share only what can be shared: the target embedding and the
+# > generator's projection (`tie_output=True`), which saves `V x d_model` parameters.
 
 
 # %%
 def make_model(
     src_vocab: int, tgt_vocab: int, *, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, **options
 ) -> EncoderDecoder:
-    """Build a Transformer; options: pre_norm, use_sdpa, max_len, tie_output."""
+    """Build a Transformer; options: pre_norm, use_sdpa, max_len, tie_output,
+    attention_dropout (default 0, as in the paper)."""
     if d_model % h != 0:
         raise ValueError(f"d_model={d_model} must be divisible by h={h}: pick another h")
     pre_norm, max_len = options.get("pre_norm", False), options.get("max_len", 5000)
-    layer_options = {"pre_norm": pre_norm, "use_sdpa": options.get("use_sdpa", False)}
+    layer_options = {
+        "pre_norm": pre_norm,
+        "use_sdpa": options.get("use_sdpa", False),
+        "attention_dropout": options.get("attention_dropout", 0.0),
+    }
     enc_layers = [EncoderLayer(d_model, h, d_ff, dropout, **layer_options) for _ in range(N)]
     dec_layers = [DecoderLayer(d_model, h, d_ff, dropout, **layer_options) for _ in range(N)]
     model = EncoderDecoder(
@@ -778,7 +833,7 @@ if __name__ == "__main__":  # building 51M parameters takes a moment: not on imp
 # toy task.
 
 # %% [markdown]
-# ### Batches and masks
+# ### Batches and masks (§3.2.3)
 #
 # The decoder is trained with *teacher forcing*: it is given the true target shifted
 # right by one (starting with `<s>`) and must predict the target shifted left (ending
@@ -857,7 +912,7 @@ class TrainState:
 
 
 # %% [markdown]
-# ### Label smoothing
+# ### Label smoothing (§5.4)
 #
 # > "During training, we employed label smoothing of value $\epsilon_{ls} = 0.1$. This
 # > hurts perplexity, as the model learns to be more unsure, but improves accuracy and
@@ -984,7 +1039,7 @@ for eps in (0.0, 0.1, 0.3):
 
 
 # %% [markdown]
-# ### Optimizer and learning-rate schedule
+# ### Optimizer and learning-rate schedule (§5.3)
 #
 # > "We used the Adam optimizer with $\beta_1 = 0.9$, $\beta_2 = 0.98$ and
 # > $\epsilon = 10^{-9}$. We varied the learning rate over the course of training,
@@ -1311,21 +1366,34 @@ if __name__ == "__main__":  # runs in the notebook; importing the .py twin skips
 # then translate and score the translations with BLEU.
 
 # %%
-import gzip
 import hashlib
-import io
 import json
 import re
-import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import sacrebleu
 import spacy
 from sacremoses import MosesDetokenizer
-from tqdm import tqdm
+
+from plumbing import (
+    CheckpointError,
+    DataError,
+    cached_json,
+    epoch_progress,
+    fingerprint,
+    free_port,
+    gather_from_ranks,
+    gpu_report,
+    load_pairs,
+    random_states,
+    read_checkpoint,
+    restore_random_states,
+    save_checkpoint,
+    sum_over_ranks,
+    write_atomically,
+)
 
 DATA_DIR = Path("data")  # downloads, caches, vocabularies and checkpoints
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
@@ -1333,160 +1401,18 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # %% [markdown]
 # ### Getting the data
 #
-# The files come from the dataset's public repository. A reader without internet (or
-# with a local copy) sets `MULTI30K_DIR` to a folder that holds them. Either way, each
-# file's SHA-256 is checked against the value published with the data, so a damaged or
-# altered file is caught before it can quietly spoil a training run.
+# > **The plumbing lives in `plumbing.py`.** Fetching files, checking them, caching,
+# > checkpoint files and random states teach nothing about the Transformer, so they
+# > live in a small module beside this notebook, with tests of their own. What it
+# > guarantees: every file is written to a temporary name and renamed into place when
+# > complete, so a crash never leaves half a file; every Multi30k file is checked
+# > against its published SHA-256 before it is read; every bad input stops with one
+# > line that names the file and says what to do; caches are JSON and checkpoints are
+# > read with `weights_only=True`, so neither can run code. Open it to see how.
 #
-# > Every write in this notebook goes to a temporary file in the target folder that
-# > is renamed into place only when complete. A download cut off halfway or a kernel
-# > killed mid-save leaves the previous good file, never half a file under its name.
-
-# %%
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
-SHA256 = {
-    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
-    "test_2017_flickr.de.gz": "a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee",
-    "test_2017_flickr.en.gz": "76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074",
-    "test_2017_mscoco.de.gz": "799e4854c25d601cb6cb6be29eabe5667734c61ace2f495e03e429031a0bc338",
-    "test_2017_mscoco.en.gz": "aab300bfb4427697987e02cd0aacd44bfe8aa50456231b6474c08038bbed2b58",
-    "test_2018_flickr.de.gz": "ddd0130c7d97482dc5197a02141dae8dd79f20f03586c480d675c09a32daf608",
-    "test_2018_flickr.en.gz": "ef4f4844037d4c5dea75c9a8ed5fd78905967a26f67c255e230cc9780032654d",
-}
-
-
-class DataError(Exception):
-    """A problem with an input file or folder; the message says what to do."""
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except PermissionError as error:
-        raise DataError(
-            f"cannot write {path}: the folder is not writable; fix its permissions"
-        ) from error
-    except (FileExistsError, NotADirectoryError) as error:
-        blocker = next(p for p in [path.parent, *path.parent.parents] if p.is_file())
-        raise DataError(
-            f"cannot create the folder {path.parent}: {blocker} is a file; "
-            "move it away or choose another data folder"
-        ) from error
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(temporary, 0o644)  # mkstemp makes files private; ours are for reading
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)  # never leave a half-written file behind
-        raise
-
-
-def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-# %%
-def verify_checksum(path: Path) -> None:
-    """Raise DataError if `path` does not have its published SHA-256."""
-    expected = SHA256.get(path.name)
-    if expected is not None and sha256_of(path) != expected:
-        raise DataError(
-            f"{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again"
-        )
-
-
-def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
-    """Download one file into `target`, checked, through a temporary file."""
-    url = url_pattern.format(name=name)
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            data = response.read()
-    except OSError as error:
-        raise DataError(
-            f"could not download {url} ({error}): check the connection, or set MULTI30K_DIR "
-            "to a folder that holds the Multi30k .gz files"
-        ) from error
-    expected = SHA256.get(name)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise DataError(f"download of {url} has the wrong SHA-256: try again later")
-    write_atomically(target, data)
-    return target
-
-
-# %%
-def split_file(split: str, lang: str, data_dir: Path = DATA_DIR) -> Path:
-    """Path of `<split>.<lang>.gz`: from MULTI30K_DIR if set, else downloaded to data_dir."""
-    name = f"{split}.{lang}.gz"
-    mirror = os.environ.get("MULTI30K_DIR")
-    if mirror:
-        folder = Path(mirror)
-        if not folder.is_dir():
-            raise DataError(
-                f"MULTI30K_DIR={mirror} is not a folder: point it at the Multi30k .gz files "
-                "or unset it to download them"
-            )
-        path = folder / name
-        if not path.is_file():
-            raise DataError(f"{path} is missing: copy {name} into {folder} or unset MULTI30K_DIR")
-    else:
-        path = Path(data_dir) / name
-        if not path.is_file():
-            download(name, path)
-    verify_checksum(path)
-    return path
-
-
-# %% [markdown]
-# Reading a file turns the typical ways it can be broken into one clear line each: a
-# gzip cut short, bytes that are not gzip, and text that is not UTF-8. A byte-order
-# mark, which some Windows editors put at the start of a UTF-8 file, is dropped rather
-# than left glued to the first word.
-
-
-# %%
-def read_lines(path: Path) -> list[str]:
-    """Lines of a gzip-compressed UTF-8 text file, without line endings."""
-    try:
-        with gzip.open(path, "rb") as f:
-            raw = f.read()
-    except EOFError as error:
-        raise DataError(f"{path} is truncated: delete it and fetch it again") from error
-    except (OSError, gzip.BadGzipFile) as error:
-        raise DataError(f"{path} is not a valid gzip file: delete it and fetch it again") from error
-    try:
-        return raw.decode("utf-8-sig").splitlines()  # -sig: drop a leading byte-order mark
-    except UnicodeDecodeError as error:
-        raise DataError(
-            f"{path} is not UTF-8 text (byte {error.start}): re-save it as UTF-8"
-        ) from error
-
-
-# %%
-def load_pairs(split: str, data_dir: Path = DATA_DIR) -> list[tuple[str, str]]:
-    """(German, English) sentence pairs of a split; pairs with an empty side are skipped."""
-    de_path, en_path = split_file(split, "de", data_dir), split_file(split, "en", data_dir)
-    de, en = read_lines(de_path), read_lines(en_path)
-    if len(de) != len(en):
-        raise DataError(
-            f"{de_path} has {len(de)} lines but {en_path} has {len(en)}: "
-            "the two files must be line-aligned; fetch both again"
-        )
-    pairs = [(d.strip(), e.strip()) for d, e in zip(de, en, strict=True)]
-    kept = [(d, e) for d, e in pairs if d and e]
-    if len(kept) < len(pairs):
-        print(f"{split}: skipped {len(pairs) - len(kept)} pairs with an empty line")
-    return kept
-
+# `load_pairs(split)` returns the (German, English) sentence pairs of a split. The files
+# come from the dataset's public repository; a reader without internet (or with a local
+# copy) sets `MULTI30K_DIR` to a folder that holds them.
 
 # %%
 if __name__ == "__main__":
@@ -1529,17 +1455,10 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizers: dict) -> dict[str, 
 
 # %%
 def cached_tokens(split: str, pairs, tokenizers, data_dir: Path = DATA_DIR) -> dict:
-    """Tokenize a split, reading and writing a JSON cache keyed by text and spaCy version."""
-    key = hashlib.sha256(json.dumps([pairs, spacy.__version__]).encode()).hexdigest()[:16]
+    """Tokenize a split, through a JSON cache keyed by the text and spaCy's version."""
+    key = fingerprint([pairs, spacy.__version__])
     path = Path(data_dir) / "tokens" / f"{split}-{key}.json.gz"
-    if path.is_file():
-        try:
-            return json.loads(gzip.decompress(path.read_bytes()))
-        except (OSError, EOFError, ValueError):
-            print(f"{path} is damaged; tokenizing again")
-    tokens = tokenize_pairs(pairs, tokenizers)
-    write_atomically(path, gzip.compress(json.dumps(tokens).encode()))
-    return tokens
+    return cached_json(path, lambda: tokenize_pairs(pairs, tokenizers))
 
 
 # %%
@@ -1633,8 +1552,7 @@ assert toy_vocab.decode([4, 5]) == ["a", "dog"]
 def vocabularies(train_tokens: dict, min_freq: int, data_dir: Path = DATA_DIR) -> dict:
     """German and English vocabularies of the training tokens, cached as JSON."""
     # the key covers every training token of both languages: any change builds anew
-    content = json.dumps([train_tokens["de"], train_tokens["en"], min_freq])
-    key = hashlib.sha256(content.encode()).hexdigest()[:16]
+    key = fingerprint([train_tokens["de"], train_tokens["en"], min_freq])
     vocabs = {}
     for lang in ("de", "en"):
         path = Path(data_dir) / f"vocab-{lang}-{len(train_tokens[lang])}-{key}.json"
@@ -1653,7 +1571,7 @@ if __name__ == "__main__":
     assert 5000 < len(vocabs["en"]) < len(vocabs["de"]) < 10000
 
 # %% [markdown]
-# ### Batching by length under a token budget
+# ### Batching by length under a token budget (§5.1)
 #
 # Sentences in a batch must have equal length, so shorter ones are padded. Padding is
 # pure waste: the model computes on it and then throws the result away. Two choices
@@ -1670,9 +1588,10 @@ if __name__ == "__main__":
 # shuffled too, so training does not go from short to long. Every pair lands in exactly
 # one batch per epoch.
 #
-# > The well-known notebook padded every sentence to 72 tokens; on Multi30k, whose
-# > sentences average 14 tokens, that made about 18% of the computed tokens real. We
-# > measure our share below.
+# > The well-known notebook padded every sentence to 72 tokens (`max_padding` in its
+# > training configuration); on Multi30k, whose sentences average 14 tokens, that
+# > makes 20.5% of the computed tokens real (`make bench` measures it). We measure our
+# > share below.
 
 # %%
 Pair = tuple[list[int], list[int]]  # (source ids, target ids), both with <s> ... </s>
@@ -1850,36 +1769,11 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
         d_ff=settings.d_ff,
         h=settings.h,
         dropout=settings.dropout,
+        attention_dropout=settings.attention_dropout,
         pre_norm=settings.pre_norm,
         use_sdpa=settings.use_sdpa,
         max_len=max(settings.max_len, 256),
     )
-
-
-# %% [markdown]
-# After each epoch on a GPU, a line per device shows how busy it was and how much
-# memory it held, through NVIDIA's management library (`nvidia-ml-py`).
-
-
-# %%
-def gpu_report() -> str:
-    """A small table of GPU load and memory, or one line saying there is no NVIDIA GPU."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return "no NVIDIA GPU here: nothing to report on GPU load and memory"
-    lines = ["gpu  load  memory used / total"]
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        load = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        lines.append(
-            f"{index:3d}  {load:3d}%  {memory.used / 2**30:5.1f} / {memory.total / 2**30:.1f} GiB"
-        )
-    pynvml.nvmlShutdown()
-    return "\n".join(lines)
 
 
 # %% [markdown]
@@ -1900,16 +1794,16 @@ def gpu_report() -> str:
 # run with `SIGKILL` in the middle of an epoch, restarts it, and gets parameters
 # bit-identical to a run that was never interrupted.
 #
-# > `torch.load(..., weights_only=True)` reads tensors and plain containers only. The
-# > default unpickler can run arbitrary code from a file, which is a real risk with
-# > checkpoints downloaded from strangers.
+# > Checkpoints are read with `torch.load(..., weights_only=True)`, which accepts
+# > tensors and plain containers only; a full unpickler can run arbitrary code from a
+# > file, a real risk with checkpoints downloaded from strangers. Since PyTorch 2.6
+# > `weights_only=True` is the default; we pass it anyway, so the notebook stays safe
+# > on older versions and the intent is visible. After each epoch on a GPU, a small
+# > table shows each device's load and memory (`gpu_report`, through NVIDIA's
+# > `nvidia-ml-py`).
 
 
-# %%
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message says what to do."""
-
-
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def checkpoint_dir(settings: Settings, data_dir: Path = DATA_DIR) -> Path:
     return Path(data_dir) / "checkpoints" / settings.name
 
@@ -1923,22 +1817,10 @@ def model_size(settings: Settings) -> dict:
     return {f: getattr(settings, f) for f in ("N", "d_model", "d_ff", "h")}
 
 
-def save_checkpoint(path: Path, **content) -> None:
-    """torch.save to a buffer, then an atomic write: a crash never leaves half a file."""
-    buffer = io.BytesIO()
-    torch.save(content, buffer)
-    write_atomically(path, buffer.getvalue())
-
-
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
     """Load a checkpoint safely and check that it fits these settings and vocabularies."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise CheckpointError(
-            f"{path} is damaged or truncated ({type(error).__name__}): delete it"
-        ) from error
+    checkpoint = read_checkpoint(path)  # weights_only=True: tensors and containers only
     if checkpoint.get("vocab_fingerprint") != vocab_fingerprint(vocabs):
         raise CheckpointError(
             f"{path} was made with other vocabularies: delete it, or restore the old vocab files"
@@ -1949,34 +1831,6 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
             f"{path} holds a model of size {checkpoint.get('model_size')}, not {size}: delete it"
         )
     return checkpoint
-
-
-# %%
-def random_states() -> dict:
-    """Every random-number state that training draws from, as tensors and numbers."""
-    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    _, keys, position, has_gauss, cached_gauss = np.random.get_state()  # MT19937
-    states["numpy"] = {
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "position": int(position),
-        "has_gauss": int(has_gauss),
-        "cached_gauss": float(cached_gauss),
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_random_states(states: dict) -> None:
-    """Put back the states that random_states() took."""
-    torch.set_rng_state(states["torch"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    mt = states["numpy"]
-    keys = mt["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, mt["position"], mt["has_gauss"], mt["cached_gauss"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # %% [markdown]
@@ -1994,23 +1848,7 @@ def restore_random_states(states: dict) -> None:
 
 
 # %%
-def epoch_progress(total: int, epoch: int, schedule, show: bool = True):
-    """A tqdm bar and a callback that updates it with loss, tokens/s and the rate."""
-    bar = tqdm(total=total, desc=f"epoch {epoch}", disable=not show, mininterval=5)
-    start, seen = time.perf_counter(), [0]
-
-    def update(loss: float, ntokens: int) -> None:
-        seen[0] += ntokens
-        rate_now = seen[0] / max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix(
-            loss=f"{loss:.3f}", tok_s=f"{rate_now:,.0f}", lr=f"{schedule.get_last_lr()[0]:.2e}"
-        )
-        bar.update(1)
-
-    return bar, update
-
-
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def epoch_start(epoch: int) -> dict:
     """The position at the start of an epoch: no batches done, nothing summed yet."""
     return {"epoch": epoch, "batches": 0, "loss": 0.0, "tokens": 0, "seconds": 0.0}
@@ -2050,7 +1888,7 @@ def start_or_resume(settings, vocabs, device, data_dir, rank: int = 0, world_siz
     return model, optimizer, schedule, state, history, position
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def training_state(model, optimizer, schedule, state, ranks, history, vocabs, settings):
     """Everything a checkpoint holds to resume training exactly.
 
@@ -2067,24 +1905,6 @@ def training_state(model, optimizer, schedule, state, ranks, history, vocabs, se
         "model_size": model_size(settings),
         "vocab_fingerprint": vocab_fingerprint(vocabs),
     }
-
-
-def gather_from_ranks(value) -> list:
-    """`value` of every rank of a distributed job, in rank order ([value] in one process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [value]
-    values = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(values, value)
-    return values
-
-
-def sum_over_ranks(values: list[float], device) -> list[float]:
-    """Sum numbers over all ranks of a distributed job (unchanged in a single process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return values
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
-    return total.tolist()
 
 
 def divisible_batches(batches: list[list[int]], world_size: int) -> list[list[int]]:
@@ -2113,7 +1933,7 @@ def no_sync_factory(model):
     return lambda last: contextlib.nullcontext() if last else model.no_sync()
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 @dataclass
 class Run:
     """The pieces of one training run that every epoch uses."""
@@ -2154,7 +1974,7 @@ class Run:
             save_checkpoint(checkpoint_dir(self.settings, self.data_dir) / "last.pt", **content)
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def train_epoch(run: Run, position: dict) -> dict:
     """Train one epoch from `position` (its start, or mid-way when resuming); validate."""
     settings, epoch, skip = run.settings, position["epoch"], position["batches"]
@@ -2205,7 +2025,7 @@ def train_epoch(run: Run, position: dict) -> dict:
     }
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def train_model(
     settings: Settings, data: Multi30k | None = None, data_dir: Path = DATA_DIR, **options
 ):
@@ -2258,7 +2078,7 @@ def train_model(
 # seconds. To train again from scratch, delete `data/checkpoints/<preset>/`.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def load_final(settings: Settings, data: Multi30k, data_dir: Path = DATA_DIR, device=None):
     """The finished model and its history from final.pt, or None if there is none."""
     final = checkpoint_dir(settings, data_dir) / "final.pt"
@@ -2330,7 +2150,7 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Translating and scoring
 #
-# ### Beam search
+# ### Beam search (§6.1)
 #
 # Greedy decoding commits to the best word at every step, even when a slightly worse
 # word would have led to a much better sentence. *Beam search* keeps the `k` best
@@ -2530,8 +2350,9 @@ assert torch.equal(kv_beams[0], kv_beams[1])
 #
 # Lengths are capped twice, so a model that never says `</s>` still stops and nothing
 # runs past the positional-encoding table: outputs stop at the source length plus 50
-# tokens (no real translation in this corpus comes near) or at the table's length, and
-# a source longer than the table is cut to it, with a count printed.
+# tokens, the paper's own cap ("input length + 50, but terminate early when possible",
+# §6.1; no real translation in this corpus comes near it), or at the table's length,
+# and a source longer than the table is cut to it, with a count printed.
 
 
 # %%
@@ -2666,10 +2487,62 @@ if __name__ == "__main__":
     assert len(greedy_out) == len(beam_out) == len(EXAMPLE_SENTENCES)
 
 # %% [markdown]
+# ### Your own sentences
+#
+# `translate_text` takes raw German, as you would type it: spaCy's German tokenizer
+# splits it, the vocabulary turns the tokens into ids, `translate` does the rest, and
+# the English tokens are glued back into a sentence. A word the vocabulary has never
+# seen becomes `<unk>`, and the model can only guess around it; `unknown_words` lists
+# such words, so you can see why a translation went wrong.
+
+
+# %%
+def german_ids(sentence: str, vocabs: dict, tokenizers: dict | None = None) -> list[int]:
+    """Raw German -> ids framed by <s> and </s>."""
+    tokens = [t.text for t in (tokenizers or make_tokenizers())["de"](sentence)]
+    de = vocabs["de"]
+    return [de.bos_id, *de.encode(tokens), de.eos_id]
+
+
+def unknown_words(sentence: str, vocabs: dict, tokenizers: dict | None = None) -> list[str]:
+    """The tokens of a German sentence that the vocabulary maps to <unk>."""
+    tokens = [t.text for t in (tokenizers or make_tokenizers())["de"](sentence)]
+    return [t for t in tokens if t not in vocabs["de"].stoi]
+
+
+def translate_text(model, sentence: str, data: Multi30k, *, beam_size: int = 4) -> str:
+    """Translate one raw German sentence into a plain English sentence."""
+    sources = [german_ids(sentence, data.vocabs)]
+    (tokens,) = translate(model, sources, data.vocabs, beam_size=beam_size)
+    return detokenize(tokens)
+
+
+# %% [markdown]
+# A few sentences of our own, none of them from Multi30k. Change them, or add yours.
+# "Quantencomputer" (quantum computer) is not a word image captions use, so it is
+# unknown; watch what the model writes in its place.
+
+# %%
+MY_SENTENCES = [
+    "Ein Hund rennt über die Wiese.",
+    "Zwei Kinder spielen im Schnee.",
+    "Eine Frau liest ein Buch über Quantencomputer.",
+]
+
+if __name__ == "__main__":
+    for german in MY_SENTENCES:
+        english = translate_text(model, german, data)
+        print(f"German:  {german}\nEnglish: {english}")
+        print(f"unknown: {unknown_words(german, data.vocabs) or 'none'}\n")
+        assert isinstance(english, str) and "<s>" not in english
+    assert "Quantencomputer" in unknown_words(MY_SENTENCES[2], data.vocabs)
+
+# %% [markdown]
 # ### BLEU on test2016
 #
-# The test set is used here and only here: every choice of the presets was made on the
-# validation split.
+# The test set is used here and only here: every choice of the presets (learning
+# rate, length penalty, epochs) was made on the validation split or by the time
+# budget, never by test BLEU.
 
 
 # %%
@@ -2708,7 +2581,7 @@ if __name__ == "__main__":
 # `build/results.json` keeps the numbers of this run together with what produced them.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def run_record(settings, model, history, test_results, device) -> dict:
     """The fields of build/results.json."""
     train_seconds = sum(h["seconds"] for h in history)
@@ -2741,16 +2614,16 @@ if __name__ == "__main__":
 #
 # Every attention layer computes, for each head, a matrix of weights: row $i$ says how
 # much query position $i$ draws from each key position. Drawing those matrices shows what
-# the trained model has learned to look at. We take one fixed validation sentence, let
-# the model translate it, and then run the pair through the model once more with
-# `keep_weights` switched on for every attention block, so that each keeps its last
-# weights. Switched off again afterwards, the model stores nothing during training.
+# the trained model has learned to look at. We take one German sentence, let the
+# model translate it greedily on whatever device it lives on, and then run the pair
+# through the model once more with `keep_weights` switched on for every attention
+# block, so that each keeps its last weights (`translate_with_attention`). Switched
+# off again afterwards, the model stores nothing during training.
 #
-# Change `ATTENTION_SENTENCE` (an index into the validation split) to look at another
-# sentence.
+# Change `ATTENTION_SENTENCE` to any German sentence to look at its attention.
 
 # %%
-ATTENTION_SENTENCE = 2
+ATTENTION_SENTENCE = "Ein Mann mit einem roten Hut sitzt auf einer Bank."
 
 
 @torch.no_grad()
@@ -2833,9 +2706,8 @@ def attention_chart(
 
 # %%
 if __name__ == "__main__":
-    src_tokens, tgt_tokens, maps = translate_with_attention(
-        model, data.val[ATTENTION_SENTENCE][0], data.vocabs
-    )
+    sentence_ids = german_ids(ATTENTION_SENTENCE, data.vocabs)
+    src_tokens, tgt_tokens, maps = translate_with_attention(model, sentence_ids, data.vocabs)
     print("German: ", " ".join(src_tokens), "\nEnglish:", " ".join(tgt_tokens))
     shown_layers = sorted({0, settings.N - 1})  # the first and the last layer
     assert maps["encoder-decoder attention"][0].shape == (
@@ -2909,7 +2781,64 @@ if __name__ == "__main__":
     )
 
 # %% [markdown]
+# ## What the paper did that we do not
+#
+# Our `cpu` model is a small cousin of the paper's, trained on a small corpus. The
+# paper's numbers, for scale (Vaswani et al., 2017):
+#
+# * **Training data** (§5.1): WMT 2014 English-German, about 4.5 million sentence
+#   pairs, and English-French, 36 million. Here: Multi30k, 29,000 caption pairs.
+# * **Vocabulary** (§5.1): byte-pair encoding with one shared source-target vocabulary
+#   of about 37,000 tokens (32,000 word pieces for English-French). Here: words, one
+#   vocabulary per language, `<unk>` for words seen only once.
+# * **Batches** (§5.1): about 25,000 source and 25,000 target tokens. Here: about
+#   2,500 tokens, padding included.
+# * **Hardware and time** (§5.2): one machine with 8 NVIDIA P100 GPUs; the base model
+#   trained 100,000 steps of about 0.4 s (12 hours), the big one 300,000 steps (3.5
+#   days). Here: 2 CPU cores, about 20 minutes.
+# * **Model**: base N = 6, $d_{\text{model}}$ = 512, $d_{ff}$ = 2048, h = 8. Here:
+#   N = 3, $d_{\text{model}}$ = 256, $d_{ff}$ = 512, h = 8.
+# * **Results** (Table 2), BLEU on newstest2014: English-German 27.3 (base) and 28.4
+#   (big); English-French 38.1 (base) and 41.8 (big; the text of §6.1 and the 2017
+#   conference version say 41.0). Ours are test2016 BLEU on Multi30k, a different
+#   corpus and test set, so the numbers cannot be compared.
+#
+# **Shared sub-word vocabulary.** Byte-pair encoding splits rare words into frequent
+# pieces, so any word can be written, and one vocabulary for both languages lets one
+# matrix serve as the source embedding, the target embedding and the output projection
+# (§3.4). Our word-level vocabularies cannot write a word they have not kept: when a
+# reference holds such a word, no output can match it, and that caps BLEU. The cell
+# below measures how often that happens on test2016.
+#
+# **Learned or sinusoidal positions.** The paper also tried learned position
+# embeddings and found "nearly identical results" (Table 3, row E: 25.7 against 25.8
+# BLEU on the development set). It kept the sinusoids because they "may allow the model
+# to extrapolate to sequence lengths longer than the ones encountered during training"
+# (§3.5). So do we.
+#
+# **Checkpoint averaging.** The paper's base models are the average of the weights of
+# the last 5 checkpoints, written 10 minutes apart; the big models average the last 20
+# (§6.1). Late in training the weights wander around a good region, pushed by the noise
+# of each batch; averaging several nearby points lands closer to its middle, and it
+# costs no training time. This notebook does not average yet.
+#
+# **Output length.** Decoding stops at input length + 50 tokens, the paper's own rule
+# (§6.1), as `translate` above does.
+
+# %%
+if __name__ == "__main__":
+    references = english_tokens([en for _, en in data.test_text])
+    reference_words = [word for sentence in references for word in sentence]
+    unknown = [w for w in reference_words if w not in data.vocabs["en"].stoi]
+    share = len(unknown) / len(reference_words)
+    print(f"{share:.1%} of the test2016 reference tokens are not in our English vocabulary,")
+    print(f"for example: {sorted(set(unknown))[:8]}")
+    assert 0 < share < 0.5
+
+# %% [markdown]
 # ## Part 4: training on several GPUs (and several machines)
+#
+# (§5.2)
 #
 # The paper trained on 8 GPUs. PyTorch's `DistributedDataParallel` (DDP) is the
 # standard way to do that: one process per GPU, each holding a full copy of the model
@@ -2957,7 +2886,7 @@ if __name__ == "__main__":
 # The process group is torn down in a `finally`, also when a rank fails.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
     """One rank of a DDP job: join the group, train, leave. port None reads torchrun's env."""
     import torch.distributed as dist
@@ -3020,13 +2949,6 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
 
 
 # %%
-def free_port() -> int:
-    """A TCP port that is free right now, for the ranks to meet on."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def train_distributed(settings: Settings, world_size: int | None = None, data_dir=DATA_DIR):
     """Train with DDP: one process per GPU, or `world_size` (default 2) CPU processes."""
     import annotated_transformer as twin  # the importable copy of this notebook

@@ -9,6 +9,7 @@ import pytest
 from conftest import MIRROR
 
 import annotated_transformer as at
+import plumbing
 
 
 def write_gz(path: Path, text: str | bytes) -> Path:
@@ -56,7 +57,7 @@ def test_corrupt_gzip(mirror):
 def test_checksum_mismatch_is_reported_and_the_file_kept(mirror, monkeypatch):
     path = write_gz(mirror / "tiny.de.gz", "ein Hund\n")
     write_gz(mirror / "tiny.en.gz", "a dog\n")
-    monkeypatch.setitem(at.SHA256, "tiny.de.gz", "0" * 64)
+    monkeypatch.setitem(plumbing.SHA256, "tiny.de.gz", "0" * 64)
     before = path.read_bytes()
     with pytest.raises(at.DataError, match="wrong SHA-256"):
         at.load_pairs("tiny", mirror)
@@ -87,19 +88,19 @@ def test_empty_lines_are_skipped_with_a_count(mirror, capsys):
 def test_download_is_checked_and_atomic(tmp_path, monkeypatch):
     """A download cut off halfway leaves no file under the real name; a retry succeeds."""
     payload = gzip.compress(b"ein Hund\n")
-    monkeypatch.setitem(at.SHA256, "tiny.de.gz", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(plumbing.SHA256, "tiny.de.gz", hashlib.sha256(payload).hexdigest())
 
     class Broken(io.BytesIO):
         def read(self, *args):
             raise ConnectionResetError("connection reset halfway")
 
     responses = [Broken(payload[:5]), io.BytesIO(payload)]
-    monkeypatch.setattr(at.urllib.request, "urlopen", lambda url, timeout: responses.pop(0))
+    monkeypatch.setattr(plumbing.urllib.request, "urlopen", lambda url, timeout: responses.pop(0))
     target = tmp_path / "tiny.de.gz"
     with pytest.raises(at.DataError, match="could not download"):
-        at.download("tiny.de.gz", target)
+        plumbing.download("tiny.de.gz", target)
     assert not target.exists() and list(tmp_path.iterdir()) == []
-    at.download("tiny.de.gz", target)
+    plumbing.download("tiny.de.gz", target)
     assert target.read_bytes() == payload
 
 
@@ -110,7 +111,7 @@ def test_unwritable_folder_is_one_clear_line_and_keeps_the_old_file(tmp_path, mo
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(at.tempfile, "mkstemp", refuse)  # root ignores chmod, so simulate it
+    monkeypatch.setattr(plumbing.tempfile, "mkstemp", refuse)  # root ignores chmod, so simulate it
     with pytest.raises(at.DataError, match="not writable; fix its permissions"):
         at.write_atomically(target, b"new")
     assert target.read_text() == "old"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import annotated_transformer as at
+import plumbing
 
 
 def test_numpy_random_state_round_trips_mid_stream():
@@ -58,7 +59,7 @@ def test_vocabulary_cache_key_covers_every_sentence_of_both_languages(tmp_path, 
 def test_byte_order_mark_is_dropped(tmp_path):
     path = tmp_path / "bom.de.gz"
     path.write_bytes(gzip.compress("\ufeffEin Hund\nZwei Katzen\n".encode()))
-    assert at.read_lines(path) == ["Ein Hund", "Zwei Katzen"]
+    assert plumbing.read_lines(path) == ["Ein Hund", "Zwei Katzen"]
 
 
 def test_a_file_in_the_way_of_the_data_folder_is_one_clear_line(tmp_path):

@@ -1,8 +1,10 @@
 """The teaching page: exported offline, every chart renders in headless Chromium."""
 
+import base64
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import nbformat
 import pytest
@@ -15,6 +17,8 @@ from lab_browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 
 BUILD = ROOT / "build" / "smoke"
 OFFLINE_FLAGS = ["--headless", *CHROMIUM_FLAGS]
+FIGURE = "figures/transformer.svg"  # the architecture figure, relative to the notebook
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.mark.parametrize(
@@ -24,6 +28,50 @@ def test_chart_spec_reads_the_mime_types_of_altair_5_and_6(mime):
     spec = {"mark": "point", "$schema": "https://vega.github.io/schema/vega-lite/v6.json"}
     assert export_html.chart_spec({mime: spec, "text/plain": "<chart>"}) == spec
     assert export_html.chart_spec({"text/plain": "<chart>"}) is None
+
+
+def markdown_notebook(path, markdown: str):
+    """Write a notebook of one markdown cell to `path`; return `path`."""
+    cell = nbformat.v4.new_markdown_cell(markdown)
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+    return path
+
+
+def test_markdown_images_are_embedded_in_the_page(tmp_path):
+    """Both ways a markdown cell can show the figure become data: URIs in the page."""
+    markdown = (
+        f'<img src="{FIGURE}" alt="The Transformer" width="700">\n\n![The Transformer]({FIGURE})'
+    )
+    source = markdown_notebook(tmp_path / "figure.ipynb", markdown)
+    html = tmp_path / "figure.html"
+    export_html.export(source, html)
+    text = html.read_text(encoding="utf-8")
+    data = base64.b64encode((ROOT / FIGURE).read_bytes()).decode("ascii")
+    assert text.count(f'src="data:image/svg+xml;base64,{data}"') == 2
+    assert FIGURE not in text, "the page would need the file"
+
+
+def test_a_missing_markdown_image_stops_the_export(tmp_path):
+    source = markdown_notebook(tmp_path / "missing.ipynb", "![gone](figures/missing.svg)")
+    with pytest.raises(FileNotFoundError, match="figures/missing.svg"):
+        export_html.export(source, tmp_path / "missing.html")
+
+
+def test_figure_is_accessible_self_contained_and_names_real_classes():
+    root = ET.parse(ROOT / FIGURE).getroot()
+    assert root.tag == f"{SVG}svg" and root.get("width") == "700"
+    assert root[0].tag == f"{SVG}title" and root.find(f"{SVG}desc").text.strip()
+    elements = list(root.iter())
+    assert not [e for e in elements if e.tag in (f"{SVG}script", f"{SVG}image", f"{SVG}a")]
+    attributes = [(name, value) for e in elements for name, value in e.attrib.items()]
+    assert not [a for a in attributes if a[0].endswith("href")], "a link needs the network"
+    assert all(v.startswith("url(#") for _, v in attributes if "url(" in v)
+    # every CamelCase name in a label is a class of the notebook (or PyTorch's nn.<name>)
+    labels = " ".join(e.text or "" for e in root.iter(f"{SVG}text"))
+    names = set(re.findall(r"\b[A-Z][a-z]+(?:[A-Z][a-z]+)+\b", labels))
+    code = (ROOT / "annotated_transformer.py").read_text(encoding="utf-8")
+    assert len(names) >= 7
+    assert [n for n in names if f"class {n}(" not in code and f"nn.{n}(" not in code] == []
 
 
 @pytest.fixture(scope="module")

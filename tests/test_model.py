@@ -250,3 +250,18 @@ def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
     batch = small_batch()
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     assert torch.allclose(fused(*args), plain(*args), atol=ATOL)
+
+
+def test_dropout_sits_where_the_paper_puts_it():
+    """Sub-layer outputs and embedding sums get P_drop; attention weights get none unless
+    asked (the paper specifies none), and the FFN has no dropout module at all."""
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.1)
+    layer = model.encoder.layers[0]
+    assert layer.attn_sublayer.dropout.p == 0.1 and model.src_embed[1].dropout.p == 0.1
+    assert layer.self_attn.dropout.p == 0.0
+    assert not any(isinstance(m, nn.Dropout) for m in layer.feed_forward.modules())
+    asked = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.2)
+    assert asked.decoder.layers[0].cross_attn.dropout.p == 0.2
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.3)
+    vocabs = {"de": at.Vocab([*at.SPECIALS, "x"]), "en": at.Vocab([*at.SPECIALS, "y"])}
+    assert at.model_for(settings, vocabs).encoder.layers[0].self_attn.dropout.p == 0.3

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,19 @@ def test_colab_cell_does_nothing_outside_colab(monkeypatch):
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
     exec(colab_cell_source(), {"__name__": "annotated_transformer"})  # imported, or a worker
     assert calls == []
+
+
+def test_every_contents_link_leads_to_a_heading():
+    """The contents cell links to headings by the ids that nbconvert (the HTML page) and
+    JupyterLab give them: the heading text with spaces turned into hyphens."""
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    cells = [c for c in jupytext.read(NOTEBOOK).cells if c.cell_type == "markdown"]
+    (contents,) = [c for c in cells if c.source.startswith("## Contents")]
+    html = "".join(markdown2html_mistune(c.source) for c in cells)
+    ids = set(re.findall(r'<h[1-6] id="([^"]+)"', html))
+    links = re.findall(r'href="#([^"]+)"', markdown2html_mistune(contents.source))
+    assert len(links) >= 10
+    assert [link for link in links if link not in ids] == []
+    plain = [link for link in links if "%" not in link]  # JupyterLab keeps unicode as is
+    assert len(plain) == len(links), "link to ASCII headings only, so both renderers agree"

@@ -2,8 +2,9 @@
 
 nbconvert's page loads require.js and MathJax from a CDN, and it cannot draw Altair's
 Vega-Lite outputs at all. This script makes the page self-contained: formulas become
-MathML (which browsers draw natively), every chart becomes a vega-embed call, and the
-Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once.
+MathML (which browsers draw natively), every chart becomes a vega-embed call, the
+Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once, and
+images that markdown cells link by a relative path (figures/*.svg) become data: URIs.
 
     python tools/export_html.py build/annotated_transformer.ipynb build/annotated_transformer.html
 """
@@ -28,6 +29,11 @@ INLINE_MATH = re.compile(r"(?<![\\$])\$(?!\$)(.+?)(?<!\\)\$")
 # Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
 ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\);', re.DOTALL)
 REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
+# An <img> whose src has no scheme (no data:, no https:) is a file the page would need.
+LOCAL_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="(?![a-zA-Z][a-zA-Z0-9+.-]*:)([^"]*)"')
+# Markdown cells link images relative to the notebook in the project root; executed
+# copies in build/ keep those links, so they are resolved from here, not from build/.
+PROJECT = Path(__file__).resolve().parent.parent
 
 
 def math_to_mathml(markdown: str) -> str:
@@ -79,14 +85,20 @@ def inline_charts(notebook) -> int:
     return count
 
 
-def export(source: Path, target: Path) -> int:
-    """Write the offline page for `source` to `target`; return the number of charts."""
+def export(source: Path, target: Path, base: Path = PROJECT) -> int:
+    """Write the offline page for `source` to `target`; return the number of charts.
+
+    Images linked from markdown cells are read from paths relative to `base`."""
     notebook = nbformat.read(source, as_version=4)
     for cell in notebook.cells:
         if cell.cell_type == "markdown":
             cell.source = math_to_mathml(cell.source)
     charts = inline_charts(notebook)
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
+    # embed_images: nbconvert replaces <img src=...> and ![...](...) in markdown by data: URIs
+    exporter = HTMLExporter(template_name="lab", embed_images=True)
+    body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})
+    if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
+        raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
     body = REMOTE_SCRIPT.sub("", body)
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.

@@ -1,0 +1,311 @@
+"""The plumbing under the notebook: files, caches, checkpoints, random states, machine facts.
+
+Nothing here teaches the Transformer, so it lives outside the lesson. What it guarantees:
+
+* every file it writes goes to a temporary file in the target folder that is renamed into
+  place when complete, so a crash never leaves half a file under the real name;
+* every Multi30k file is checked against its published SHA-256 before it is read;
+* every problem with an input raises one line (`DataError`, `CheckpointError`) that
+  names the file and says what to do;
+* caches are JSON and checkpoints are read with `torch.load(weights_only=True)`: neither
+  can run code;
+* the random states of Python, NumPy and torch are saved and restored whole, so a
+  resumed run draws the same numbers as one never interrupted.
+
+This module never imports the notebook; the notebook imports it.
+"""
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import random
+import socket
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+class DataError(Exception):
+    """A problem with an input file or folder; the message says what to do."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message says what to do."""
+
+
+# --- files --------------------------------------------------------------------------------
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except PermissionError as error:
+        raise DataError(
+            f"cannot write {path}: the folder is not writable; fix its permissions"
+        ) from error
+    except (FileExistsError, NotADirectoryError) as error:
+        blocker = next(p for p in [path.parent, *path.parent.parents] if p.is_file())
+        raise DataError(
+            f"cannot create the folder {path.parent}: {blocker} is a file; "
+            "move it away or choose another data folder"
+        ) from error
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(temporary, 0o644)  # mkstemp makes files private; ours are for reading
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
+
+
+def fingerprint(value) -> str:
+    """A short SHA-256 of a JSON-serialisable value: a cache key that changes with it."""
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+
+def cached_json(path: Path, compute):
+    """The JSON value stored at `path` (gzipped if it ends in .gz); else compute() it,
+    store it and return it. A damaged cache is computed again, with a message."""
+    path = Path(path)
+    packed = path.suffix == ".gz"
+    if path.is_file():
+        try:
+            raw = path.read_bytes()
+            return json.loads(gzip.decompress(raw) if packed else raw)
+        except (OSError, EOFError, ValueError):
+            print(f"{path} is damaged; computing it again")
+    value = compute()
+    data = json.dumps(value, ensure_ascii=False).encode()
+    write_atomically(path, gzip.compress(data) if packed else data)
+    return value
+
+
+# --- Multi30k files -----------------------------------------------------------------------
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
+SHA256 = {  # as published with the data
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2017_flickr.de.gz": "a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee",
+    "test_2017_flickr.en.gz": "76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074",
+    "test_2017_mscoco.de.gz": "799e4854c25d601cb6cb6be29eabe5667734c61ace2f495e03e429031a0bc338",
+    "test_2017_mscoco.en.gz": "aab300bfb4427697987e02cd0aacd44bfe8aa50456231b6474c08038bbed2b58",
+    "test_2018_flickr.de.gz": "ddd0130c7d97482dc5197a02141dae8dd79f20f03586c480d675c09a32daf608",
+    "test_2018_flickr.en.gz": "ef4f4844037d4c5dea75c9a8ed5fd78905967a26f67c255e230cc9780032654d",
+}
+
+
+def verify_checksum(path: Path) -> None:
+    """Raise DataError if `path` does not have its published SHA-256."""
+    expected = SHA256.get(path.name)
+    if expected is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() != expected:
+        raise DataError(
+            f"{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again"
+        )
+
+
+def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
+    """Download one file into `target`, checked, through a temporary file."""
+    url = url_pattern.format(name=name)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            data = response.read()
+    except OSError as error:
+        raise DataError(
+            f"could not download {url} ({error}): check the connection, or set MULTI30K_DIR "
+            "to a folder that holds the Multi30k .gz files"
+        ) from error
+    expected = SHA256.get(name)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise DataError(f"download of {url} has the wrong SHA-256: try again later")
+    write_atomically(target, data)
+    return target
+
+
+def split_file(split: str, lang: str, data_dir: Path = Path("data")) -> Path:
+    """Path of `<split>.<lang>.gz`: from MULTI30K_DIR if set, else downloaded to data_dir."""
+    name = f"{split}.{lang}.gz"
+    mirror = os.environ.get("MULTI30K_DIR")
+    if mirror:
+        folder = Path(mirror)
+        if not folder.is_dir():
+            raise DataError(
+                f"MULTI30K_DIR={mirror} is not a folder: point it at the Multi30k .gz files "
+                "or unset it to download them"
+            )
+        path = folder / name
+        if not path.is_file():
+            raise DataError(f"{path} is missing: copy {name} into {folder} or unset MULTI30K_DIR")
+    else:
+        path = Path(data_dir) / name
+        if not path.is_file():
+            download(name, path)
+    verify_checksum(path)
+    return path
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines of a gzip-compressed UTF-8 text file, without line endings or a byte-order
+    mark (which some editors put at the start of a UTF-8 file)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except EOFError as error:
+        raise DataError(f"{path} is truncated: delete it and fetch it again") from error
+    except (OSError, gzip.BadGzipFile) as error:
+        raise DataError(f"{path} is not a valid gzip file: delete it and fetch it again") from error
+    try:
+        return raw.decode("utf-8-sig").splitlines()  # -sig: drop a leading byte-order mark
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {error.start}): re-save it as UTF-8"
+        ) from error
+
+
+def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str]]:
+    """(German, English) sentence pairs of a split; pairs with an empty side are skipped."""
+    de_path, en_path = split_file(split, "de", data_dir), split_file(split, "en", data_dir)
+    de, en = read_lines(de_path), read_lines(en_path)
+    if len(de) != len(en):
+        raise DataError(
+            f"{de_path} has {len(de)} lines but {en_path} has {len(en)}: "
+            "the two files must be line-aligned; fetch both again"
+        )
+    pairs = [(d.strip(), e.strip()) for d, e in zip(de, en, strict=True)]
+    kept = [(d, e) for d, e in pairs if d and e]
+    if len(kept) < len(pairs):
+        print(f"{split}: skipped {len(pairs) - len(kept)} pairs with an empty line")
+    return kept
+
+
+# --- checkpoints and random states --------------------------------------------------------
+
+
+def save_checkpoint(path: Path, **content) -> None:
+    """torch.save to a buffer, then an atomic write: a crash never leaves half a file."""
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    write_atomically(path, buffer.getvalue())
+
+
+def read_checkpoint(path: Path) -> dict:
+    """torch.load with weights_only=True (tensors and plain containers, never code)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} is damaged or truncated ({type(error).__name__}): delete it"
+        ) from error
+
+
+def random_states() -> dict:
+    """Every random-number state that training draws from, as tensors and numbers."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    _, keys, position, has_gauss, cached_gauss = np.random.get_state()  # MT19937
+    states["numpy"] = {
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gauss": float(cached_gauss),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_random_states(states: dict) -> None:
+    """Put back the states that random_states() took."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    mt = states["numpy"]
+    keys = mt["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, mt["position"], mt["has_gauss"], mt["cached_gauss"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# --- several processes --------------------------------------------------------------------
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def gather_from_ranks(value) -> list:
+    """`value` of every rank of a distributed job, in rank order ([value] in one process)."""
+    if not distributed():
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def sum_over_ranks(values: list[float], device) -> list[float]:
+    """Sum numbers over all ranks of a distributed job (unchanged in a single process)."""
+    if not distributed():
+        return values
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return total.tolist()
+
+
+def free_port() -> int:
+    """A TCP port that is free right now, for the ranks to meet on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- machine facts and progress -----------------------------------------------------------
+
+
+def gpu_report() -> str:
+    """A small table of GPU load and memory, or one line saying there is no NVIDIA GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return "no NVIDIA GPU here: nothing to report on GPU load and memory"
+    lines = ["gpu  load  memory used / total"]
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        load = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        lines.append(
+            f"{index:3d}  {load:3d}%  {memory.used / 2**30:5.1f} / {memory.total / 2**30:.1f} GiB"
+        )
+    pynvml.nvmlShutdown()
+    return "\n".join(lines)
+
+
+def epoch_progress(total: int, epoch: int, schedule, show: bool = True):
+    """A tqdm bar and a callback that updates it with loss, tokens/s and the rate."""
+    bar = tqdm(total=total, desc=f"epoch {epoch}", disable=not show, mininterval=5)
+    start, seen = time.perf_counter(), [0]
+
+    def update(loss: float, ntokens: int) -> None:
+        seen[0] += ntokens
+        rate_now = seen[0] / max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", tok_s=f"{rate_now:,.0f}", lr=f"{schedule.get_last_lr()[0]:.2e}"
+        )
+        bar.update(1)
+
+    return bar, update
