@@ -424,6 +424,33 @@ out, w = attention(query=q, key=k, value=v, mask=torch.tensor([[[True, True, Fal
 assert w[0, 0, 2] == 0 and torch.allclose(out, torch.tensor([[[1.0]]]), atol=1e-3)
 
 # %% [markdown]
+# **Experiment: why divide by $\sqrt{d_k}$.** Draw queries and keys whose entries have
+# mean 0 and variance 1, with $d_k = 512$ as in the base model. Unscaled, the dot
+# products have a standard deviation of $\sqrt{512} \approx 23$: the softmax puts
+# nearly all its weight on one key, and its gradient almost vanishes, so training
+# could hardly change which key wins. Scaled, the weights stay spread out and the
+# gradient is an order of magnitude larger.
+
+
+# %%
+def softmax_peak_and_gradient(scale: float, d_k: int = 512, keys: int = 10, rows: int = 1000):
+    """Mean largest attention weight, and mean |d weight_0 / d score|, for random q, k."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 1, d_k, generator=generator)
+    k = torch.randn(rows, keys, d_k, generator=generator)
+    scores = (q @ k.transpose(-2, -1) * scale).squeeze(1).requires_grad_()  # (rows, keys)
+    weights = scores.softmax(dim=-1)
+    weights[:, 0].sum().backward()  # how strongly the scores can move one weight
+    return weights.max(dim=-1).values.mean().item(), scores.grad.abs().mean().item()
+
+
+raw_peak, raw_gradient = softmax_peak_and_gradient(scale=1.0)
+scaled_peak, scaled_gradient = softmax_peak_and_gradient(scale=512**-0.5)
+print(f"unscaled: largest weight {raw_peak:.2f} on average, gradient {raw_gradient:.4f}")
+print(f"scaled:   largest weight {scaled_peak:.2f} on average, gradient {scaled_gradient:.4f}")
+assert raw_peak > 0.9 and scaled_peak < 0.5 and 5 * raw_gradient < scaled_gradient
+
+# %% [markdown]
 # ### Multi-head attention (§3.2.2, §3.2.3)
 #
 # > "Instead of performing a single attention function with $d_{\text{model}}$-dimensional
@@ -490,10 +517,30 @@ class MultiHeadAttention(nn.Module):
         return self.w_o(out)
 
 
+# %% [markdown]
+# **A proof you can see.** PyTorch has its own `nn.MultiheadAttention`, which keeps
+# $W^Q$, $W^K$ and $W^V$ stacked in one matrix (`in_proj_weight`). Copy our weights into
+# it and both must compute the same outputs, here with a padding mask; the tests in
+# `tests/test_model.py` also check causal masks and the fused path.
+
+
 # %%
-mha = MultiHeadAttention(h=4, d_model=16, dropout=0.0)
+@torch.no_grad()
+def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
+    """Copy W^Q, W^K, W^V (stacked, as PyTorch keeps them) and W^O."""
+    theirs.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+    theirs.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+    theirs.out_proj.load_state_dict(ours.w_o.state_dict())
+
+
+mha = MultiHeadAttention(h=4, d_model=16, dropout=0.0).eval()
+torch_mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+copy_into_pytorch(mha, torch_mha)
 x = torch.randn(2, 5, 16)
-assert mha(query=x, key=x, value=x).shape == (2, 5, 16)
+keep = torch.tensor([[True] * 5, [True, True, True, False, False]])  # (B, S): 2 pads
+ours = mha(query=x, key=x, value=x, mask=keep.unsqueeze(1))  # (B, T, d_model)
+theirs, _ = torch_mha(x, x, x, key_padding_mask=~keep)  # PyTorch: True means "ignore"
+assert ours.shape == (2, 5, 16) and torch.allclose(ours, theirs, atol=1e-6)
 try:
     MultiHeadAttention(h=3, d_model=16, dropout=0.0)
     raise AssertionError("d_model not divisible by h must be refused")
@@ -546,8 +593,16 @@ class FeedForward(nn.Module):
         return self.linear2(torch.relu(self.linear1(x)))
 
 
+# %% [markdown]
+# "Position-wise" means each position goes through the same two layers on its own: the
+# output at one position does not depend on any other.
+
 # %%
-assert FeedForward(d_model=8, d_ff=32)(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+ffn, x = FeedForward(d_model=8, d_ff=32), torch.randn(2, 3, 8)
+W1, b1, W2, b2 = ffn.linear1.weight, ffn.linear1.bias, ffn.linear2.weight, ffn.linear2.bias
+by_hand = torch.relu(x @ W1.T + b1) @ W2.T + b2  # max(0, x W_1 + b_1) W_2 + b_2
+assert torch.allclose(ffn(x), by_hand, atol=1e-6)
+assert torch.allclose(ffn(x[:, 1:2]), ffn(x)[:, 1:2], atol=1e-6)  # one position alone
 
 # %% [markdown]
 # ### Residual connection and layer normalisation (§3.1)
@@ -639,11 +694,25 @@ class Encoder(nn.Module):
         return self.final_norm(x)
 
 
+# %% [markdown]
+# The same check for a whole layer: PyTorch's `nn.TransformerEncoderLayer` with our
+# weights, post-norm like ours (`norm_first=False`), computes the same function.
+
 # %%
-layer = EncoderLayer(d_model=16, h=4, d_ff=32, dropout=0.0)
+layer = EncoderLayer(d_model=16, h=4, d_ff=32, dropout=0.0).eval()
+torch_layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+copy_into_pytorch(layer.self_attn, torch_layer.self_attn)
+for theirs, ours in [
+    (torch_layer.linear1, layer.feed_forward.linear1),
+    (torch_layer.linear2, layer.feed_forward.linear2),
+    (torch_layer.norm1, layer.attn_sublayer.norm),
+    (torch_layer.norm2, layer.ff_sublayer.norm),
+]:
+    theirs.load_state_dict(ours.state_dict())
+x, keep = torch.randn(1, 4, 16), torch.tensor([[True, True, True, False]])  # last: pad
 encoder = Encoder([layer], d_model=16)
-src_mask = torch.tensor([[[True, True, True, False]]])  # (B=1, 1, S=4): last is padding
-assert encoder(torch.randn(1, 4, 16), src_mask).shape == (1, 4, 16)
+ours = encoder(x, keep.unsqueeze(1))  # (B=1, S=4, d_model)
+assert torch.allclose(ours, torch_layer(x, src_key_padding_mask=~keep), atol=1e-5)
 
 # %% [markdown]
 # ### Decoder (§3.1)
@@ -698,7 +767,8 @@ class Decoder(nn.Module):
 decoder = Decoder([DecoderLayer(d_model=16, h=4, d_ff=32, dropout=0.0)], d_model=16)
 memory = torch.randn(1, 4, 16)  # (B, S, d_model) from the encoder
 tgt_mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0)  # (1, T=3, T=3)
-assert decoder(torch.randn(1, 3, 16), memory, src_mask, tgt_mask).shape == (1, 3, 16)
+memory_mask = torch.tensor([[[True, True, True, False]]])  # (B=1, 1, S=4): a pad
+assert decoder(torch.randn(1, 3, 16), memory, memory_mask, tgt_mask).shape == (1, 3, 16)
 
 # %% [markdown]
 # ### Output generator (§3.4)

@@ -74,6 +74,35 @@ def test_figure_is_accessible_self_contained_and_names_real_classes():
     assert [n for n in names if f"class {n}(" not in code and f"nn.{n}(" not in code] == []
 
 
+def test_hide_input_cells_are_folded_and_others_are_not(tmp_path):
+    """A cell tagged hide-input shows its code inside <details> ("show code"), with its
+    output still in view; an untagged cell's code stays open."""
+    hidden = nbformat.v4.new_code_cell("plumbing_detail = 1")
+    hidden.metadata["tags"] = ["hide-input"]
+    hidden.outputs = [nbformat.v4.new_output("stream", text="hidden cell's output\n")]
+    shown = nbformat.v4.new_code_cell("lesson_code = 2")
+    source = tmp_path / "folded.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[hidden, shown]), source)
+    export_html.export(source, tmp_path / "folded.html")
+    text = (tmp_path / "folded.html").read_text(encoding="utf-8")
+    folded = re.findall(
+        r"<details class=\"folded-code\"><summary>show code</summary>.*?</details>", text, re.S
+    )
+    assert len(folded) == 1 and "plumbing_detail" in folded[0]
+    assert "lesson_code" not in folded[0] and "lesson_code" in text
+    assert "hidden cell's output" in text.split(folded[0])[1]  # the output stays outside
+
+
+def test_the_notebook_folds_its_plumbing_cells():
+    """The resumable training loop and the DDP worker are folded, in JupyterLab too."""
+    notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
+    folded = [c for c in notebook.cells if "hide-input" in c.metadata.get("tags", [])]
+    names = " ".join(c.source for c in folded)
+    for name in ("def train_epoch(", "def train_model(", "class Run:", "def ddp_worker("):
+        assert name in names, name
+    assert all(c.metadata.get("jupyter", {}).get("source_hidden") for c in folded)
+
+
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     """The notebook executed with the smoke preset and exported; (html path, chart count)."""
@@ -99,6 +128,7 @@ def test_page_is_self_contained(page):
     assert charts == len(export_html.chart_specs(notebook)) == 9
     assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
     assert "window.vegaEmbed" in text and "<math" in text
+    assert text.count('<details class="folded-code">') >= 10  # the plumbing, one click away
 
 
 def test_heatmaps_have_tooltips_for_every_field(page):

@@ -4,7 +4,8 @@ nbconvert's page loads require.js and MathJax from a CDN, and it cannot draw Alt
 Vega-Lite outputs at all. This script makes the page self-contained: formulas become
 MathML (which browsers draw natively), every chart becomes a vega-embed call, the
 Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once, and
-images that markdown cells link by a relative path (figures/*.svg) become data: URIs.
+images that markdown cells link by a relative path (figures/*.svg) become data: URIs,
+and the code of cells tagged `hide-input` is folded into a <details> block ("show code").
 
     python tools/export_html.py build/annotated_transformer.ipynb build/annotated_transformer.html
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import nbformat
 import vl_convert
+from bs4 import BeautifulSoup
 from latex2mathml.converter import convert as latex_to_mathml
 from nbconvert import HTMLExporter
 
@@ -85,6 +87,23 @@ def inline_charts(notebook) -> int:
     return count
 
 
+def fold_hidden_inputs(body: str) -> str:
+    """Put the code of every cell tagged hide-input inside <details>: one click away.
+
+    nbconvert's lab template gives such a cell the class celltag_hide-input."""
+    page = BeautifulSoup(body, "html.parser")
+    for cell in page.select("div.celltag_hide-input"):
+        code = cell.find("div", class_="jp-Cell-inputWrapper", recursive=False)
+        if code is None:
+            continue
+        details = page.new_tag("details", attrs={"class": "folded-code"})
+        summary = page.new_tag("summary")
+        summary.string = "show code"
+        code.wrap(details)
+        details.insert(0, summary)
+    return str(page)
+
+
 def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     """Write the offline page for `source` to `target`; return the number of charts.
 
@@ -99,7 +118,7 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})
     if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
-    body = REMOTE_SCRIPT.sub("", body)
+    body = fold_hidden_inputs(REMOTE_SCRIPT.sub("", body))
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
     bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])
