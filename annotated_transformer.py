@@ -39,8 +39,10 @@
 #   `h` number of heads, `d_k` size of one head, `V` vocabulary size.
 
 # %%
-# On Google Colab only: install the few packages Colab lacks. Anywhere else (JupyterLab,
-# VS Code, the tests, importing the .py twin) this cell does nothing.
+# On Google Colab only: install the few packages Colab lacks, and fetch the project's
+# other files (plumbing.py, the .py twin, the figure) when the notebook was opened alone.
+# Anywhere else (JupyterLab, VS Code, the tests, importing the .py twin) it does nothing.
+import os
 import sys
 
 # The project's public home. OWNER is a placeholder until the project is published.
@@ -60,6 +62,10 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
             keep.write(f"{name}=={importlib.metadata.version(name)}\n")
     if missing:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", keep.name, *missing])
+    if not os.path.exists("plumbing.py"):  # opened alone: work inside a copy of the project
+        subprocess.run(["git", "clone", "-q", "--depth", "1", REPO_URL, "project"], check=True)
+        os.chdir("project")
+        sys.path.insert(0, os.getcwd())
 
 # %% [markdown]
 # ## Contents
@@ -3034,8 +3040,8 @@ def train_distributed(settings: Settings, world_size: int | None = None, data_di
 # A short demonstration with the `smoke` settings under their own name, so that it
 # neither reuses nor overwrites the single-process checkpoints. A failing rank raises
 # here with that rank's error message; the other ranks are stopped. The workers import
-# `annotated_transformer.py`, so where that file is missing (a notebook opened alone, as
-# on Colab) the cell says so and skips the demonstration.
+# `annotated_transformer.py`, so where that file is missing (a notebook opened alone,
+# outside Colab, whose first cell fetches it) the cell says so and skips the demonstration.
 
 
 # %%

@@ -61,6 +61,7 @@ def colab_cell_source():
 
 def test_colab_cell_installs_only_what_is_missing_and_keeps_torch_numpy_pandas(monkeypatch):
     calls = []
+    monkeypatch.chdir(ROOT)  # the project's files are here: nothing to fetch
     monkeypatch.setattr(subprocess, "run", lambda args, **_: calls.append(args))
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
     real_find_spec = importlib.util.find_spec
@@ -73,6 +74,27 @@ def test_colab_cell_installs_only_what_is_missing_and_keeps_torch_numpy_pandas(m
     keep = Path(command[command.index("-c") + 1]).read_text().split()
     assert sorted(k.split("==")[0] for k in keep) == ["numpy", "pandas", "torch"]
     assert f"torch=={torch.__version__}" in keep
+
+
+def test_colab_cell_fetches_the_project_when_the_notebook_came_alone(monkeypatch, tmp_path):
+    """Opened alone on Colab, the notebook has no plumbing.py or .py twin beside it: the
+    cell clones the project and works inside it."""
+    calls = []
+
+    def run(args, **_):
+        calls.append(args)
+        if args[:2] == ["git", "clone"]:
+            (Path(args[-1]) / "plumbing.py").parent.mkdir()
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    namespace = {"__name__": "__main__"}
+    exec(colab_cell_source(), namespace)
+    clone = [c for c in calls if c[:2] == ["git", "clone"]]
+    assert clone == [["git", "clone", "-q", "--depth", "1", namespace["REPO_URL"], "project"]]
+    assert Path.cwd() == tmp_path / "project" and sys.path[0] == str(tmp_path / "project")
 
 
 def test_colab_cell_does_nothing_outside_colab(monkeypatch):
