@@ -102,7 +102,21 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 # %% [markdown]
 # ## Prelims
 #
-# Everything the notebook imports, in one place.
+# Everything the model and its training need, imported in one place:
+#
+# * **PyTorch** (`torch`, `nn`, `F`) for tensors, layers, autograd and the optimizer;
+# * **NumPy** only for its random generator, which we seed along with PyTorch's;
+# * **pandas** and **Altair** to draw charts: each chart is a small table handed to
+#   Altair, which describes the picture in Vega-Lite and lets the notebook draw it;
+# * the standard library for the rest.
+#
+# `display` shows a chart from inside a function or an `if` block, where Jupyter would
+# not show a bare expression. `Tensor` and `nn` are imported by name because nearly
+# every cell uses them. Functions take what they need as arguments; only the cells
+# that demonstrate them share a few names from cell to cell, chiefly `settings` (just
+# below), `data` and `model` (Part 3).
+#
+# Part 3 adds the data tools (spaCy, sacreBLEU, sacremoses) where they are first used.
 
 # %%
 import contextlib
@@ -110,9 +124,7 @@ import copy
 import dataclasses
 import math
 import os
-import platform
 import random
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,6 +139,7 @@ from torch import Tensor, nn
 
 # Charts: JupyterLab, VS Code and our HTML export draw Altair's Vega-Lite v5 output with
 # their own copy of Vega, so charts show offline; Colab is online and draws Altair's HTML.
+# (Altair 6 writes Vega-Lite v6, which JupyterLab cannot draw yet: see the README.)
 if "google.colab" not in sys.modules:
     if not alt.SCHEMA_VERSION.startswith("v5"):
         raise ImportError(f"altair {alt.__version__}: this notebook needs 5.5 (make setup)")
@@ -135,7 +148,9 @@ if "google.colab" not in sys.modules:
 # %% [markdown]
 # One seed drives every random choice: weight initialisation, dropout, batch order and
 # the synthetic data of the warm-up task. `set_seed` is called again wherever a result
-# must not depend on what ran before it.
+# must not depend on what ran before it. On a CPU the same seed gives the same numbers
+# run after run on one machine; another CPU or thread count may round differently, so
+# no check in this notebook relies on the exact outcome of training.
 
 
 # %%
@@ -160,6 +175,19 @@ alt.data_transformers.disable_max_rows()
 # the data, for the test suite), `cpu` (a small model that trains on a laptop in about
 # twenty minutes) or `gpu` (the paper's base model). Left unset, it is `gpu` when CUDA
 # is available and `cpu` otherwise.
+#
+# The fields come in groups, each with its paper symbol where there is one:
+#
+# * the model's size: $N$, $d_{\text{model}}$, $d_{ff}$, $h$ (Table 3 of the paper lists
+#   these for its base and big models), and its switches `pre_norm` and `use_sdpa`;
+# * regularisation: `dropout` ($P_{drop}$), `attention_dropout` and `label_smoothing`
+#   ($\epsilon_{ls}$);
+# * data: how many pairs to use, the longest sentence kept, the vocabulary's
+#   `min_freq`;
+# * batching and optimisation: the token budget of a batch, gradient accumulation,
+#   epochs, the warm-up and a factor on the learning rate;
+# * decoding: the beam size and the length penalty $\alpha$;
+# * bookkeeping: the seed and how often to checkpoint.
 
 
 # %%
@@ -192,6 +220,16 @@ class Settings:
     seed: int = SEED
 
 
+# %% [markdown]
+# Three presets. `smoke` exists so that the test suite can run every cell of this
+# notebook in a few minutes: its model is far too small to translate well, and it only
+# has to show that each piece runs and fits the next. `cpu` is the largest model that
+# trains to a useful translator in about twenty minutes on two cores: half the paper's
+# width, half its depth and a quarter of its feed-forward width, with a shorter
+# warm-up because its training is short (about 1,500 optimizer steps instead of the
+# paper's 100,000). `gpu` is the paper's base model.
+
+# %%
 PRESETS = {
     "smoke": Settings(
         name="smoke",
@@ -222,6 +260,15 @@ PRESETS = {
 }
 
 
+# %% [markdown]
+# `get_settings` picks the preset. To try another one, set the variable before the
+# notebook starts, for example `AT_PRESET=smoke make lab`, or run
+# `os.environ["AT_PRESET"] = "smoke"` in a cell and then this one again; every later
+# cell reads `settings`. An unknown name stops with one line that lists the three
+# names it knows.
+
+
+# %%
 def get_settings(name: str | None = None) -> Settings:
     """Return the preset called `name`; None reads AT_PRESET, then picks gpu or cpu."""
     if name is None:
@@ -236,6 +283,8 @@ print(settings)
 
 # %% [markdown]
 # A preset is frozen, so a change is a new object; `dataclasses.replace` makes one.
+# Nothing can change a setting by accident halfway through a run, and a checkpoint can
+# record exactly the settings it was trained with.
 
 # %%
 assert get_settings("gpu").d_model == 512 and get_settings("gpu").N == 6
@@ -1372,6 +1421,11 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
     return Batch(src=seq, tgt=seq.clone(), pad_id=COPY_PAD)
 
 
+# %% [markdown]
+# Two sequences of five digits make a batch of shape (2, 7) with `<s>` and `</s>`.
+# Each has six target tokens to predict: the five digits and `</s>`. Nothing is
+# padding, since every sequence of a copy batch has the same length.
+
 # %%
 copy_example = copy_batch(2, 5, torch.Generator().manual_seed(0))
 assert copy_example.src.shape == (2, 7) and copy_example.ntokens == 2 * 6
@@ -1381,11 +1435,22 @@ assert (copy_example.src[:, 0] == COPY_START).all() and (copy_example.src != COP
 # Training: a two-layer model of width 64, Adam with the paper's schedule (a short
 # warm-up, since we take only a few hundred steps), no label smoothing (a copy has one
 # right answer) and gradient accumulation over two micro-batches, to exercise it.
+# Each epoch draws 40 fresh batches of 128 random sequences, so the model never sees
+# the same sequence twice and cannot memorise: it has to learn the rule.
+#
+# What to expect: the validation loss, measured every 5 epochs on batches it has not
+# trained on, falls slowly for the first hundred steps or so while the learning rate
+# warms up, then drops by orders of magnitude once the decoder has learned to attend
+# to the source position it is copying. A loss near 0 means the right digit gets
+# nearly all the probability at every position.
 
 
 # %%
-def train_copy_task(epochs: int = 30, batches_per_epoch: int = 40, seed: int = SEED):
-    """Train a small Transformer to copy digit sequences; return it."""
+def train_copy_task(epochs: int = 30, batches_per_epoch: int = 40, seed: int = SEED, **options):
+    """Train a small Transformer to copy digit sequences; return it.
+
+    options: make_batch (default copy_batch), for the experiment below."""
+    make_batch = options.get("make_batch", copy_batch)
     set_seed(seed)
     model = make_model(COPY_VOCAB, COPY_VOCAB, N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
     optimizer, schedule = make_optimizer(model, Settings(name="copy", d_model=64, warmup=100))
@@ -1393,7 +1458,7 @@ def train_copy_task(epochs: int = 30, batches_per_epoch: int = 40, seed: int = S
     data = torch.Generator().manual_seed(seed)
     state = TrainState()
     for epoch in range(1, epochs + 1):
-        batches = [copy_batch(128, 10, data) for _ in range(batches_per_epoch)]
+        batches = [make_batch(128, 10, data) for _ in range(batches_per_epoch)]
         run_epoch(
             batches,
             model,
@@ -1404,10 +1469,20 @@ def train_copy_task(epochs: int = 30, batches_per_epoch: int = 40, seed: int = S
             state=state,
         )
         if epoch % 5 == 0:
-            val_loss = run_epoch([copy_batch(128, 10, data) for _ in range(4)], model, criterion)
+            val_loss = run_epoch([make_batch(128, 10, data) for _ in range(4)], model, criterion)
             print(f"epoch {epoch:2d}  optimizer steps {state.step:4d}  val loss {val_loss:.4f}")
     return model
 
+
+# %% [markdown]
+# The proof is greedy decoding on 100 held-out sequences. Unlike the loss, which is
+# measured with the true prefix fed in (teacher forcing), decoding feeds the model its
+# own previous outputs, exactly as at translation time: one wrong digit would derail
+# the rest of a sequence. Every sequence must come back unchanged.
+#
+# This cell is worth re-running whenever you change something in Parts 1 or 2: if it
+# fails, the change broke the model or the loop, and the Multi30k run below would only
+# have shown it twenty minutes later, as a poor score.
 
 # %%
 if __name__ == "__main__":  # runs in the notebook; importing the .py twin skips it
@@ -1430,6 +1505,39 @@ if __name__ == "__main__":  # runs in the notebook; importing the .py twin skips
 
 
 # %% [markdown]
+# **Experiment: what the causal mask is for.** Train the same model for 200 steps on
+# batches whose target mask hides only padding, so that position $i$ can see the
+# token it must predict, which sits at position $i + 1$ of its input. The training
+# loss collapses: the model has learned to read the answer, not to copy. Greedy
+# decoding then fails, because at inference the answer is not there to read.
+#
+# This is the bug the causal mask prevents, and it is easy to make by accident: a
+# mask of the wrong shape, or a padding mask used where the combined mask belongs. Its
+# symptom is a training loss that looks too good to be true.
+
+
+# %%
+def without_causal_mask(batch_size: int, length: int, generator: torch.Generator) -> Batch:
+    """A copy batch whose decoder may look ahead: only padding is masked."""
+    batch = copy_batch(batch_size, length, generator)
+    batch.tgt_mask = (batch.tgt_in != COPY_PAD).unsqueeze(-2).expand_as(batch.tgt_mask)
+    return batch
+
+
+if __name__ == "__main__":
+    peeking_model = train_copy_task(epochs=10, make_batch=without_causal_mask)
+    copy_loss = LabelSmoothing(COPY_VOCAB, COPY_PAD, smoothing=0.0)
+    unseen = torch.Generator().manual_seed(12345)
+    peeking_loss = run_epoch([without_causal_mask(100, 10, unseen)], peeking_model, copy_loss)
+    sources = copy_batch(100, 10, unseen).src
+    ids = {"start_id": COPY_START, "end_id": COPY_END, "pad_id": COPY_PAD}
+    decoded = greedy_decode(peeking_model, sources, (sources != COPY_PAD).unsqueeze(-2), 12, **ids)
+    copied_share = (decoded == sources).all(dim=1).float().mean().item()
+    print(f"loss with the answer in view: {peeking_loss:.4f}; copied exactly: {copied_share:.0%}")
+    assert peeking_loss < 0.1 and copied_share < 0.1
+
+
+# %% [markdown]
 # ## Part 3: a real task, German to English on Multi30k
 #
 # Multi30k (Elliott et al., 2016) pairs about 31,000 image captions in English with
@@ -1444,7 +1552,9 @@ if __name__ == "__main__":  # runs in the notebook; importing the .py twin skips
 # %%
 import hashlib
 import json
+import platform
 import re
+import shutil
 import time
 from collections import Counter
 from pathlib import Path

@@ -304,7 +304,10 @@ def epoch_progress(total: int, epoch: int, schedule, show: bool = True):
         seen[0] += ntokens
         rate_now = seen[0] / max(time.perf_counter() - start, 1e-9)
         bar.set_postfix(
-            loss=f"{loss:.3f}", tok_s=f"{rate_now:,.0f}", lr=f"{schedule.get_last_lr()[0]:.2e}"
+            loss=f"{loss:.3f}",
+            tok_s=f"{rate_now:,.0f}",
+            lr=f"{schedule.get_last_lr()[0]:.2e}",
+            refresh=False,  # redraw at most every mininterval seconds, not every batch
         )
         bar.update(1)
 
