@@ -38,7 +38,7 @@
 # * Shapes use these letters: `B` batch size, `T` target length, `S` source length,
 #   `h` number of heads, `d_k` size of one head, `V` vocabulary size.
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 # On Google Colab only: install the few packages Colab lacks, and fetch the project's
 # other files (plumbing.py, the .py twin, the figure) when the notebook was opened alone.
 # Anywhere else (JupyterLab, VS Code, the tests, importing the .py twin) it does nothing.
@@ -537,14 +537,10 @@ class MultiHeadAttention(nn.Module):
         if d_model % h != 0:
             raise ValueError(f"d_model={d_model} must be divisible by h={h}: pick another h")
         self.h, self.d_k = h, d_model // h
-        self.w_q = nn.Linear(d_model, d_model)  # the h matrices W_i^Q side by side
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.use_sdpa = use_sdpa
-        self.keep_weights = False  # set True to keep the last weights in .weights
-        self.weights: Tensor | None = None
+        # W^Q, W^K, W^V (each the h matrices W_i side by side) and W^O
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.dropout, self.use_sdpa = nn.Dropout(dropout), use_sdpa
+        self.keep_weights, self.weights = False, None  # keep_weights: keep the last in .weights
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -559,8 +555,8 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Attention of every head, then Concat and W^O: (B, h, T_q, d_k) -> (B, T_q, d_model)."""
         B, _, T_q, _ = q.shape
-        if mask is not None:
-            mask = mask.unsqueeze(1)  # (B, 1, T_q or 1, T_k): one mask for every head
+        # (B, 1, T_q or 1, T_k): one mask for every head
+        mask = None if mask is None else mask.unsqueeze(1)
         if self.use_sdpa and not self.keep_weights:
             p = self.dropout.p if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -897,9 +893,7 @@ def make_model(
     src_vocab: int, tgt_vocab: int, *, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, **options
 ) -> EncoderDecoder:
     """Build a Transformer; options: pre_norm, use_sdpa, max_len, tie_output,
-    attention_dropout (default 0, as in the paper)."""
-    if d_model % h != 0:
-        raise ValueError(f"d_model={d_model} must be divisible by h={h}: pick another h")
+    attention_dropout (default 0, as in the paper). MultiHeadAttention checks d_model % h."""
     pre_norm, max_len = options.get("pre_norm", False), options.get("max_len", 5000)
     layer_options = {
         "pre_norm": pre_norm,
@@ -927,6 +921,12 @@ def make_model(
     return model
 
 
+# %% [markdown]
+# Counting parameters: a tied matrix is one tensor shared by two modules, and
+# `model.parameters()` yields each tensor once, so it is counted once.
+
+
+# %%
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct trainable parameters (a tied matrix counts once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -1034,6 +1034,12 @@ class TrainState:
     micro_batches: int = 0  # forward/backward passes, accumulation included
     samples: int = 0  # sentence pairs seen
     tokens: int = 0  # real target tokens seen
+
+    def count(self, batch: "Batch") -> None:
+        """Count one micro-batch's forward and backward pass."""
+        self.micro_batches += 1
+        self.samples += batch.src.size(0)
+        self.tokens += batch.ntokens
 
 
 # %% [markdown]
@@ -1257,6 +1263,22 @@ alt.Chart(schedule_frame, title="Learning-rate schedule").mark_line().encode(
 #
 # > The loss we report is the mean per real target token, summed over the whole
 # > epoch before dividing, so batches with more tokens weigh more.
+#
+# How to read `run_epoch`: `steps_now` is true on the last micro-batch of each group,
+# and only then do the optimizer and the schedule step. Everything else the loop takes
+# comes in as a keyword option, so that the plain call stays short:
+#
+# * `accum_iter` (default 1): micro-batches per optimizer step;
+# * `state`: a `TrainState` whose counters the loop advances;
+# * `autocast`: a factory of contexts for mixed precision (bf16 on a GPU, Part 3);
+# * `progress`: called with the loss and token count of every batch (the progress bar);
+# * for several processes (Part 4): `step_tokens`, each step's token count summed over
+#   all ranks, `ranks`, how many processes DDP averages over, and `sync`, a factory
+#   that is told "is this the last micro-batch before a step?" and returns DDP's
+#   `no_sync` context when it is not;
+# * for checkpoints and resuming (Part 3): `after_step`, called after every optimizer
+#   step with the batches done and the loss and token totals, and `totals`, the totals
+#   to start from.
 
 
 # %%
@@ -1275,27 +1297,27 @@ def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
 
 
 # %%
+def optimizer_step(optimizer, schedule, state: TrainState) -> None:
+    """Update the weights with the summed gradients, clear them, advance the schedule."""
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    schedule.step()  # the learning rate follows optimizer steps, not micro-batches
+    state.step += 1
+
+
+# %%
 def run_epoch(
     batches: Sequence[Batch], model, criterion, *, optimizer=None, schedule=None, **options
 ) -> float:
-    """Train (with an optimizer) or evaluate over `batches`; return mean loss per token.
-
-    options: accum_iter (default 1), state (a TrainState to update), autocast (a
-    context-manager factory), progress (a callable given the loss and token count after
-    every batch). For DistributedDataParallel and resuming: step_tokens (each step's
-    token count over all ranks), ranks (how many processes DDP averages over), sync (a
-    factory given "is this the last micro-batch before a step?" that returns a context,
-    for DDP's no_sync), after_step (a callable given the batches done and the loss and
-    token totals, after every optimizer step), totals (the loss and token totals to
-    start from).
-    """
+    """Train (with an optimizer) or evaluate; return the mean loss per token (options: above)."""
     training = optimizer is not None
     accum_iter, state = options.get("accum_iter", 1), options.get("state") or TrainState()
     step_tokens = options.get("step_tokens") or tokens_per_step(batches, accum_iter)
     ranks = options.get("ranks", 1)
     autocast = options.get("autocast", contextlib.nullcontext)
     sync = options.get("sync", lambda last: contextlib.nullcontext())
-    progress, after_step = options.get("progress"), options.get("after_step")
+    progress = options.get("progress", lambda loss, ntokens: None)
+    after_step = options.get("after_step", lambda done, loss, ntokens: None)
     model.train(training)
     (total_loss, total_tokens), n = options.get("totals", (0.0, 0)), len(batches)
     with torch.enable_grad() if training else torch.no_grad():
@@ -1308,20 +1330,13 @@ def run_epoch(
                 # averages the ranks' gradients, so multiplying by `ranks` makes it a sum
                 with sync(steps_now):
                     (loss_sum * ranks / step_tokens[i // accum_iter]).backward()
-                state.micro_batches += 1
-                state.samples += batch.src.size(0)
-                state.tokens += batch.ntokens
+                state.count(batch)
             total_loss += loss_sum.item()
             total_tokens += batch.ntokens
             if steps_now:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                schedule.step()
-                state.step += 1
-                if after_step is not None:
-                    after_step(i + 1, total_loss, total_tokens)
-            if progress is not None:
-                progress(loss_sum.item() / max(batch.ntokens, 1), batch.ntokens)
+                optimizer_step(optimizer, schedule, state)
+                after_step(i + 1, total_loss, total_tokens)
+            progress(loss_sum.item() / max(batch.ntokens, 1), batch.ntokens)
     return total_loss / max(total_tokens, 1)
 
 
@@ -1375,6 +1390,12 @@ assert torch.allclose(accumulated, big_batch, atol=1e-6)
 # sentence with `<s>`, and repeatedly append the most probable next token. The batch
 # is decoded together; a sentence that has produced `</s>` gets padding from then on,
 # and the loop ends as soon as every sentence has finished (or at `max_len`).
+#
+# This version runs the whole decoder over the whole prefix at every step, which is
+# simple and obviously right, and costs about $n^2/2$ token passes through the decoder
+# for $n$ tokens. "Fast decoding", further on, feeds one new token per step with cached
+# keys and values, and is checked against this one. Note the `@torch.no_grad()`: decoding never
+# needs gradients, and without it every step would keep its graph in memory.
 
 
 # %%
@@ -2031,6 +2052,23 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
 # The pieces every epoch needs travel together in a small `Run` record, which also
 # knows how to save itself; `train_epoch` trains one epoch (checkpointing every
 # `checkpoint_steps` optimizer steps) and validates.
+#
+# > **The next cells are folded.** They are engineering, not the Transformer: click
+# > "show code" (or the bar at their left in JupyterLab) to open them. In order:
+# >
+# > * `start_or_resume` builds the model, the optimizer and the schedule from the
+# >   seed, then loads `last.pt` if there is one, with each process's own position and
+# >   random states;
+# > * `training_state` lists what a checkpoint holds, and the sharding helpers split
+# >   an epoch's batches between the processes of Part 4;
+# > * `Run` keeps the pieces of one run together and saves them;
+# > * `train_epoch` collates the epoch's batches, counts each optimizer step's tokens,
+# >   calls `run_epoch` from Part 2 with the progress bar, mixed precision and the
+# >   checkpoint hook, and then measures the validation loss;
+# > * `train_model` loops over the epochs and prints a line after each.
+# >
+# > What they add to Part 2's `run_epoch` is bookkeeping only: the arithmetic of a
+# > training step is exactly the one you have read there.
 
 
 # %%
@@ -2262,6 +2300,10 @@ def train_model(
 # `load_trained_model` is what the rest of the notebook calls: it trains only when no
 # final checkpoint exists, so re-running the notebook after a finished run costs
 # seconds. To train again from scratch, delete `data/checkpoints/<preset>/`.
+#
+# With the `cpu` preset the next cell trains for about twenty minutes on two cores.
+# Its progress bar shows the loss of the latest batch, the target tokens per second
+# and the learning rate; a line after each epoch gives the training and validation loss.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2353,6 +2395,17 @@ if __name__ == "__main__":
 #
 # With `k = 1` there is one beam and the best word always wins: exactly greedy
 # decoding, which a test checks.
+#
+# A small example with `k = 2`. After the first step the two beams are "a" (log-prob
+# −0.5) and "two" (−1.0). Extending each by every word gives candidates such as
+# "a dog" (−0.5 − 2.0 = −2.5), "a man" (−0.5 − 1.2 = −1.7) and "two dogs"
+# (−1.0 − 0.3 = −1.3). The two best survive: "two dogs" and "a man". Greedy decoding
+# would have kept only "a" and lost "two dogs", the best sentence start of all.
+#
+# > A simplification, flagged: here a finished beam keeps its slot, so a sentence with
+# > one finished beam explores with `k − 1`, and the length penalty enters only in the
+# > final choice. Many decoders instead move finished translations to a separate list,
+# > keep `k` live beams, and compare finished ones with the penalty as they arrive.
 
 
 # %%
@@ -2375,6 +2428,12 @@ def beam_step(log_probs, scores, finished, pad_id):
 
 
 # %% [markdown]
+# `beam_step` does the choosing. It adds each beam's score to the log-probabilities of
+# every next word, flattens the `k × V` candidates of a sentence into one row, and
+# keeps the `k` largest. A position `flat` in that row means word `flat % V` appended
+# to beam `flat // V`. A finished beam may continue only with padding, at a cost of 0,
+# so it keeps its score and its place.
+#
 # Each step needs the log-probabilities of the next word for every beam. The plain way
 # runs the decoder over the whole prefix again, exactly as in training, and keeps only
 # the last position. We wrap that in a small class so that a faster way can replace it
@@ -2452,6 +2511,25 @@ def beam_search(
 # agree up to float rounding; a test checks that greedy and beam outputs are
 # identical. `CachedPrefix` reuses the layers' own weights and sub-layers: it is a
 # different order of the same computation, not a second model.
+#
+# Its parts, in the order a step uses them: `__call__` embeds the newest word at its
+# position `t` and runs it up the decoder stack; `layer_step` is one decoder layer for
+# that single position, through the layer's own three residual sub-layers;
+# `cached_self_attention` appends the new key and value to the layer's cache and lets
+# the new query attend to everything cached; `reorder` follows the beams. The encoder's keys
+# and values for the cross-attention are computed once, in `__init__`. Speed is
+# measured by `make bench`, not here: on a CPU it cut beam-4 decoding of the test set
+# several times over (the README has the figures).
+
+
+# %%
+def cached_self_attention(mha: MultiHeadAttention, cache: list, i: int, x: Tensor) -> Tensor:
+    """Append the newest word's key and value to cache[i]; let its query attend to all."""
+    past_k, past_v = cache[i]  # (rows, h, t, d_k) each
+    k = torch.cat([past_k, mha.split_heads(mha.w_k(x))], dim=2)  # (rows, h, t + 1, d_k)
+    v = torch.cat([past_v, mha.split_heads(mha.w_v(x))], dim=2)
+    cache[i] = (k, v)
+    return mha.attend(mha.split_heads(mha.w_q(x)), k, v, mask=None)  # all of it is past
 
 
 # %%
@@ -2460,13 +2538,13 @@ class CachedPrefix(FullPrefix):
 
     def __init__(self, model: EncoderDecoder, memory: Tensor, src_mask: Tensor):
         super().__init__(model, memory, src_mask)
-        self.memory_kv = []  # per layer: encoder keys and values, (rows, h, S, d_k) each
-        for layer in model.decoder.layers:
-            mha = layer.cross_attn
-            self.memory_kv.append(
-                (mha.split_heads(mha.w_k(memory)), mha.split_heads(mha.w_v(memory)))
-            )
-        self.self_kv: list[tuple[Tensor, Tensor] | None] = [None] * len(model.decoder.layers)
+        cross = [layer.cross_attn for layer in model.decoder.layers]
+        # per layer, the encoder's keys and values (rows, h, S, d_k), projected once
+        self.memory_kv = [
+            (a.split_heads(a.w_k(memory)), a.split_heads(a.w_v(memory))) for a in cross
+        ]
+        empty = memory.new_zeros(memory.size(0), cross[0].h, 0, cross[0].d_k)  # no past yet
+        self.self_kv = [(empty, empty) for _ in cross]
 
     def __call__(self, ys: Tensor) -> Tensor:
         t = ys.size(1) - 1  # position of the newest word
@@ -2479,28 +2557,27 @@ class CachedPrefix(FullPrefix):
 
     def layer_step(self, i: int, layer: DecoderLayer, x: Tensor) -> Tensor:
         """One decoder layer for the newest position only: (rows, 1, d_model)."""
-        x = layer.self_sublayer(x, lambda t: self.self_attention(i, layer.self_attn, t))
-        keys, values = self.memory_kv[i]
-        cross = layer.cross_attn
+        x = layer.self_sublayer(
+            x, lambda t: cached_self_attention(layer.self_attn, self.self_kv, i, t)
+        )
+        (keys, values), cross = self.memory_kv[i], layer.cross_attn
         x = layer.cross_sublayer(
             x, lambda t: cross.attend(cross.split_heads(cross.w_q(t)), keys, values, self.src_mask)
         )
         return layer.ff_sublayer(x, layer.feed_forward)
-
-    def self_attention(self, i: int, mha: MultiHeadAttention, x: Tensor) -> Tensor:
-        """Append the new word's key and value to layer i's cache; attend to all of it."""
-        k, v = mha.split_heads(mha.w_k(x)), mha.split_heads(mha.w_v(x))  # (rows, h, 1, d_k)
-        if self.self_kv[i] is not None:
-            past_k, past_v = self.self_kv[i]
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        self.self_kv[i] = (k, v)  # (rows, h, t + 1, d_k)
-        return mha.attend(mha.split_heads(mha.w_q(x)), k, v, mask=None)
 
     def reorder(self, rows: Tensor) -> None:
         self.self_kv = [(k[rows], v[rows]) for k, v in self.self_kv]
 
 
 # %% [markdown]
+# How `beam_search` lays out its work: the `B` sentences each get `k` rows, so every
+# tensor has `B × k` rows and the encoder output is repeated `k` times. At the start
+# all beams of a sentence are the same `<s>`, so only the first gets score 0 and the
+# rest −∞; otherwise the first step would pick the same word `k` times. After each
+# step, `source_rows` says which old row each winner extends, and the prefixes (and
+# the cache, below) are reordered to match.
+#
 # A check on a small random model: step by step, the cached log-probabilities equal
 # the full recomputation's, and beam search gives the same translations either way.
 
@@ -2555,17 +2632,16 @@ def cut_to_length(sources: list[list[int]], limit: int) -> list[list[int]]:
     return [s if len(s) <= limit else [*s[: limit - 1], s[-1]] for s in sources]
 
 
-def translate(
-    model,
-    sources: list[list[int]],
-    vocabs: dict,
-    *,
-    beam_size: int = 1,
-    alpha: float = 0.6,
-    cached: bool = True,
-    batch_size: int = 200,
-):
-    """Translate id lists (with <s> ... </s>) into English token lists."""
+# %% [markdown]
+# `translate` itself: sort by length, decode each chunk with `beam_search`, strip
+# `<s>`, `</s>` and padding, and put the results back in the order they came. Sorting
+# matters: a chunk runs until its slowest sentence ends, so sentences of similar length
+# should share one.
+
+
+# %%
+def translate(model, sources, vocabs: dict, *, beam_size=1, alpha=0.6, cached=True, batch_size=200):
+    """Translate id lists (each with <s> ... </s>) into English token lists."""
     device, limit = next(model.parameters()).device, positions_of(model)
     en, pad = vocabs["en"], vocabs["de"].pad_id
     ids = {"start": en.bos_id, "end": en.eos_id, "pad": en.pad_id}
@@ -2656,7 +2732,10 @@ assert math.isclose(perfect["bleu"], 100.0) and math.isclose(
 # ### Example translations
 #
 # Five fixed validation sentences (the same ones every run, so runs can be compared),
-# with the reference and our greedy and beam outputs.
+# with the reference and our greedy and beam outputs. Things to look for: words the
+# model copies from German unchanged (often names), `<unk>` where a word was too rare
+# for the vocabulary, and outputs that repeat a phrase, a sign that decoding kept
+# choosing a likely word without noticing it had already written it.
 
 # %%
 EXAMPLE_SENTENCES = (0, 1, 2, 3, 4)
@@ -2729,6 +2808,10 @@ if __name__ == "__main__":
 # The test set is used here and only here: every choice of the presets (learning
 # rate, length penalty, epochs) was made on the validation split or by the time
 # budget, never by test BLEU.
+#
+# `evaluate_test` translates all 1,000 test sentences twice, greedily and with the
+# paper's beam of 4 and $\alpha = 0.6$, and times each. Expect beam search to score
+# higher and to take several times longer: it runs `k` beams per sentence.
 
 
 # %%
@@ -2764,7 +2847,11 @@ if __name__ == "__main__":
 # %% [markdown]
 # ### The record of the run
 #
-# `build/results.json` keeps the numbers of this run together with what produced them.
+# `build/results.json` keeps the numbers of this run together with what produced them:
+# the preset and every setting, the device, the parameter count, the training time and
+# speed, the loss history of every epoch, the test scores with sacreBLEU's signature,
+# and the versions of torch and Python. The README's results table is copied from it,
+# so every number there can be traced to a run.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2806,7 +2893,13 @@ if __name__ == "__main__":
 # block, so that each keeps its last weights (`translate_with_attention`). Switched
 # off again afterwards, the model stores nothing during training.
 #
-# Change `ATTENTION_SENTENCE` to any German sentence to look at its attention.
+# Change `ATTENTION_SENTENCE` to any German sentence to look at its attention. Some to
+# try: a subordinate clause, whose verb German sends to the end ("Ein Mann schläft, weil
+# er müde ist."), to see the encoder-decoder attention leave the diagonal; a repeated
+# word ("Ein Hund und ein Hund spielen."), to see whether the two get the same
+# attention; and a word the vocabulary lacks, which arrives as `<unk>` and gives every
+# head nothing to go on. With the `smoke` preset the model is too small and too briefly
+# trained for clear patterns; run the `cpu` preset to see them.
 
 # %%
 ATTENTION_SENTENCE = "Ein Mann mit einem roten Hut sitzt auf einer Bank."
@@ -2836,6 +2929,12 @@ def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int)
             block.keep_weights, block.weights = False, None
 
 
+# %% [markdown]
+# `translate_with_attention` puts the two steps together for one sentence: translate
+# it greedily, then collect the maps for the source and the translation it produced.
+
+
+# %%
 def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: dict):
     """Greedy-translate one id list on the model's own device (the model stays where it
     is); return the German tokens, the English tokens and the attention maps."""
@@ -2850,16 +2949,19 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 
 
 # %% [markdown]
+# `attention_chart` turns the weights into a table with one row per cell of every
+# heatmap (layer, head, query token, key token, weight) and lets Altair draw *small
+# multiples*: one heatmap per head, side by side, and one row of them per layer, all
+# on the same colour scale from 0 to 1 so that they can be compared at a glance.
+#
 # Tokens label the axes in sentence order. A number in front of each keeps repeated
 # words (two "a"s, say) apart and in place. Hover over a cell to see the query and key
 # tokens, the layer, the head and the weight.
 
 
 # %%
-def attention_chart(
-    weights: list[Tensor], queries: list[str], keys: list[str], *, title: str, layers
-):
-    """Small multiples: one heatmap per (layer, head), rows are layers."""
+def attention_chart(weights, queries: list[str], keys: list[str], *, title: str, layers):
+    """Small multiples: one heatmap per (layer, head), rows are layers; weights as in maps."""
     query_labels = [f"{i:02d} {t}" for i, t in enumerate(queries)]
     key_labels = [f"{j:02d} {t}" for j, t in enumerate(keys)]
     rows = [
@@ -2875,8 +2977,8 @@ def attention_chart(
         for i in range(len(queries))
         for j in range(len(keys))
     ]
-    side = 14 * max(len(queries), len(keys)) // 2 + 40
-    heatmap = (
+    side = 14 * max(len(queries), len(keys)) // 2 + 40  # pixels
+    return (
         alt.Chart(pd.DataFrame(rows))
         .mark_rect()
         .encode(
@@ -2886,9 +2988,19 @@ def attention_chart(
             tooltip=["query", "key", "layer", "head", "weight"],
         )
         .properties(width=side, height=side)
+        .facet(row="layer:O", column="head:O", title=title)
     )
-    return heatmap.facet(row="layer:O", column="head:O", title=title)
 
+
+# %% [markdown]
+# The sentence, its translation and its maps. We show the first and the last layer
+# only (for the `cpu` preset, 2 layers × 8 heads per chart). The cell checks what a
+# heatmap must satisfy whatever the model learned: one weight per (query, key) pair,
+# each query's weights summing to 1, and no weights left behind in the model once the
+# maps are taken. Bear in mind that attention weights show where a head reads, not
+# why the model chose a word; they are a view into the model, not an explanation of it.
+# The model stays where it is, on the GPU if it trained there: only the small weight
+# tensors are copied to the CPU for drawing.
 
 # %%
 if __name__ == "__main__":
@@ -2907,6 +3019,18 @@ if __name__ == "__main__":
     assert all(
         block.weights is None for block in model.modules() if isinstance(block, MultiHeadAttention)
     )
+    axes = {  # (queries, keys) of each kind; the last output token is never a query
+        "encoder self-attention": (src_tokens, src_tokens),
+        "decoder self-attention": (tgt_tokens[:-1], tgt_tokens[:-1]),
+        "encoder-decoder attention": (tgt_tokens[:-1], src_tokens),
+    }
+
+
+def show_attention(kind: str, maps: dict, axes: dict, layers: list[int]) -> None:
+    """Draw one kind of attention of the sentence above, for the given layers."""
+    queries, keys = axes[kind]
+    display(attention_chart(maps[kind], queries, keys, title=kind.capitalize(), layers=layers))
+
 
 # %% [markdown]
 # **Encoder self-attention.** Each German token (query, rows) looks at the German
@@ -2918,15 +3042,7 @@ if __name__ == "__main__":
 
 # %%
 if __name__ == "__main__":
-    display(
-        attention_chart(
-            maps["encoder self-attention"],
-            src_tokens,
-            src_tokens,
-            title="Encoder self-attention",
-            layers=shown_layers,
-        )
-    )
+    show_attention("encoder self-attention", maps, axes, shown_layers)
 
 # %% [markdown]
 # **Decoder self-attention.** English queries look at the English tokens written so
@@ -2935,15 +3051,7 @@ if __name__ == "__main__":
 
 # %%
 if __name__ == "__main__":
-    display(
-        attention_chart(
-            maps["decoder self-attention"],
-            tgt_tokens[:-1],
-            tgt_tokens[:-1],
-            title="Decoder self-attention",
-            layers=shown_layers,
-        )
-    )
+    show_attention("decoder self-attention", maps, axes, shown_layers)
 
 # %% [markdown]
 # **Encoder-decoder attention.** Each English position (rows) chooses which German words
@@ -2956,15 +3064,7 @@ if __name__ == "__main__":
 
 # %%
 if __name__ == "__main__":
-    display(
-        attention_chart(
-            maps["encoder-decoder attention"],
-            tgt_tokens[:-1],
-            src_tokens,
-            title="Encoder-decoder attention",
-            layers=shown_layers,
-        )
-    )
+    show_attention("encoder-decoder attention", maps, axes, shown_layers)
 
 # %% [markdown]
 # ## What the paper did that we do not
