@@ -2699,9 +2699,10 @@ def detokenize(tokens: list[str]) -> str:
     return re.sub(r"(?<=\w) n't\b", "n't", text)  # "do n't" -> "don't"
 
 
-def english_tokens(sentences: list[str]) -> list[list[str]]:
+def english_tokens(sentences: list[str], tokenizers: dict | None = None) -> list[list[str]]:
     """spaCy's English tokens of raw sentences (no vocabulary, so no <unk>)."""
-    return [[t.text for t in doc] for doc in spacy.blank("en").tokenizer.pipe(sentences)]
+    tokenizer = (tokenizers or make_tokenizers())["en"]
+    return [[t.text for t in doc] for doc in tokenizer.pipe(sentences)]
 
 
 def bleu_scores(hypotheses: list[list[str]], references: list[str], ref_tokens) -> dict:
@@ -2762,17 +2763,20 @@ if __name__ == "__main__":
 
 
 # %%
+def german_tokens(sentence: str, tokenizers: dict | None = None) -> list[str]:
+    """spaCy's German tokens of one raw sentence."""
+    return [t.text for t in (tokenizers or make_tokenizers())["de"](sentence)]
+
+
 def german_ids(sentence: str, vocabs: dict, tokenizers: dict | None = None) -> list[int]:
     """Raw German -> ids framed by <s> and </s>."""
-    tokens = [t.text for t in (tokenizers or make_tokenizers())["de"](sentence)]
     de = vocabs["de"]
-    return [de.bos_id, *de.encode(tokens), de.eos_id]
+    return [de.bos_id, *de.encode(german_tokens(sentence, tokenizers)), de.eos_id]
 
 
 def unknown_words(sentence: str, vocabs: dict, tokenizers: dict | None = None) -> list[str]:
     """The tokens of a German sentence that the vocabulary maps to <unk>."""
-    tokens = [t.text for t in (tokenizers or make_tokenizers())["de"](sentence)]
-    return [t for t in tokens if t not in vocabs["de"].stoi]
+    return [t for t in german_tokens(sentence, tokenizers) if t not in vocabs["de"].stoi]
 
 
 def translate_text(model, sentence: str, data: Multi30k, *, beam_size: int = 4) -> str:

@@ -244,6 +244,7 @@ def restore_random_states(states: dict) -> None:
 
 
 def distributed() -> bool:
+    """Whether this process is one rank of a running distributed job."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 

@@ -244,7 +244,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 import annotated_transformer as at
-from ddp_child import stop_after_step
+from stopping_jobs import stop_after_step
 
 data_dir, out, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 settings = dataclasses.replace(

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-import ddp_child
 import pytest
+import stopping_jobs
 import torch
 from conftest import MIRROR, ROOT
 
@@ -120,17 +120,17 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400, checkpoint_steps=2)
     fields = dataclasses.asdict(settings)
     at.prepare_data(settings, tmp_path / "straight")
-    ddp_child.spawn(fields, tmp_path / "straight", fail_at=0)
+    stopping_jobs.spawn(fields, tmp_path / "straight", fail_at=0)
     at.prepare_data(settings, tmp_path / "stopped")
     with pytest.raises(Exception, match="stopped on purpose at step 5"):
-        ddp_child.spawn(fields, tmp_path / "stopped", fail_at=5)
+        stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=5)
     folder = at.checkpoint_dir(settings, tmp_path / "stopped")
     last = torch.load(folder / "last.pt", weights_only=True)
     position = last["ranks"][0]["position"]
     assert last["state"]["step"] == 4 and position["epoch"] == 0 and position["batches"] == 8
     totals = [r["position"]["tokens"] for r in last["ranks"]]
     assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
-    ddp_child.spawn(fields, tmp_path / "stopped", fail_at=0)
+    stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
         torch.load(at.checkpoint_dir(settings, tmp_path / run) / "final.pt", weights_only=True)
         for run in ("straight", "stopped")
