@@ -15,6 +15,7 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 This module never imports the notebook; the notebook imports it.
 """
 
+import ctypes
 import gzip
 import hashlib
 import io
@@ -274,6 +275,35 @@ def free_port() -> int:
 
 
 # --- machine facts and progress -----------------------------------------------------------
+
+
+def prepare_cpu_memory() -> bool:
+    """Settings of the C library and of oneDNN that make CPU training faster and leaner.
+
+    Call it before the first bf16 matrix product. Two things, both measured on a 2-core
+    Xeon with a `cpu`-preset epoch in bf16 (one run each):
+
+    * glibc serves every block over 32 MiB with its own mmap and unmaps it when freed,
+      so each step's (tokens x vocabulary) tensors fault in fresh pages. Raising the
+      mmap and trim thresholds to 256 MiB keeps such blocks for reuse: 4,870 target
+      tokens/s against 4,179. Where the C library is not glibc (macOS, Windows, musl)
+      this part does nothing, and the function returns False.
+    * bf16 products run through oneDNN, which caches a kernel for every matrix shape
+      it meets, up to 1,024 of them; batches of many sizes fill that cache. Capping it
+      at 64 (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, read when oneDNN first runs) lowered
+      the peak resident memory from 3.45 GB to 2.15 GB, at 4,644 tokens/s.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    size = 256 << 20
+    try:
+        return bool(libc.mallopt(m_mmap_threshold, size) and libc.mallopt(m_trim_threshold, size))
+    except AttributeError:
+        return False
 
 
 def gpu_report() -> str:

@@ -473,4 +473,4 @@ def test_bf16_autocast_stays_close_to_fp32():
     assert low.dtype == torch.float32  # the loss itself is computed in float32
     assert not torch.equal(low, exact)  # bf16 really was used ...
     assert torch.allclose(low, exact, rtol=2e-2)  # ... and stays within ~1% of fp32
-    assert at.autocast_for(torch.device("cpu")) is contextlib.nullcontext
+    assert at.autocast_for(torch.device("cpu"), "fp32") is contextlib.nullcontext

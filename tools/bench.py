@@ -46,6 +46,10 @@ with contextlib.redirect_stdout(io.StringIO()):
     import annotated_transformer as at
 
 
+# bf16 autocast on CUDA; float32 on a CPU, where the reference pipeline also runs in it
+PRECISION = {"cuda": "bf16", "cpu": "fp32", "mps": "fp32"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """How much work each comparison does for one preset."""
@@ -104,7 +108,9 @@ def fresh_training(settings: at.Settings, build, device: torch.device):
     """A model from build() under the preset's seed, with the notebook's optimizer."""
     at.set_seed(settings.seed)
     model = build().to(device)
-    optimizer, schedule = at.make_optimizer(model, settings, fused=device.type == "cuda")
+    # the rate's value does not change a step's cost; a linear schedule needs an end
+    fused, end = device.type == "cuda", 10 * settings.warmup
+    optimizer, schedule = at.make_optimizer(model, settings, fused, total_steps=end)
     return model, optimizer, schedule
 
 
@@ -173,7 +179,7 @@ def train_round(training, criterion, batches, device) -> float:
     """Mean seconds of one training step (forward, backward, Adam) over the batches."""
     model, optimizer, schedule = training
     model.train()
-    autocast = at.autocast_for(device)
+    autocast = at.autocast_for(device, PRECISION[device.type])
 
     def steps():
         for batch in batches:
@@ -334,7 +340,7 @@ def run_ours(pairs, training, settings, vocabs) -> at.TrainState:
         schedule=schedule,
         state=state,
         accum_iter=settings.accum_iter,
-        autocast=at.autocast_for(device),
+        autocast=at.autocast_for(device, PRECISION[device.type]),
     )
     return state
 

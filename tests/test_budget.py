@@ -1,0 +1,295 @@
+"""Training on a budget: the linear schedule, clipping, precision, averaging, beam search."""
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import MIRROR
+from torch import nn
+
+import annotated_transformer as at
+
+# the smoke preset (linear schedule, clipping) shrunk further; no averaging unless asked
+SMALL = dataclasses.replace(
+    at.SMOKE, name="small", d_model=16, d_ff=32, train_pairs=200, eval_pairs=20, batch_tokens=400
+)
+SMALL = dataclasses.replace(SMALL, warmup=4, average_last=1, beam_size=3)
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    return at.prepare_data(SMALL, tmp_path)
+
+
+# --- the schedule ------------------------------------------------------------------------
+
+
+def test_linear_rate_keeps_the_papers_warmup_and_peak_then_falls_to_zero():
+    d, warmup, total = 64, 40, 400
+    for step in (1, 20, 40):
+        paper = at.rate(step, d_model=d, warmup=warmup)
+        assert math.isclose(at.linear_rate(step, d_model=d, warmup=warmup, total=total), paper)
+    # values[i] is the rate of step i + 1
+    values = [at.linear_rate(s, d_model=d, warmup=warmup, total=total) for s in range(1, 403)]
+    assert values.index(max(values)) + 1 == warmup
+    after_peak = values[warmup - 1 : total]
+    assert all(a > b for a, b in zip(after_peak, after_peak[1:], strict=False))
+    assert values[total - 1] > 0  # the last planned step still learns a little
+    assert values[total] == values[total + 1] == 0.0  # and nothing after it
+
+
+def test_a_linear_schedule_needs_room_after_the_warmup():
+    settings = at.Settings(name="t", d_model=16, warmup=50, schedule="linear")
+    for total in (None, 50):
+        with pytest.raises(ValueError, match="lower warmup or raise epochs"):
+            at.make_optimizer(nn.Linear(2, 2), settings, total_steps=total)
+    cosine = dataclasses.replace(settings, schedule="cosine")
+    with pytest.raises(ValueError, match="unknown schedule 'cosine'"):
+        at.make_optimizer(nn.Linear(2, 2), cosine, total_steps=100)
+
+
+def test_planned_steps_are_the_steps_training_takes_and_the_rate_ends_at_zero(data, tmp_path):
+    at.train_model(SMALL, data, tmp_path, device=torch.device("cpu"), show=False)
+    last = at.read_checkpoint(tmp_path / "checkpoints" / SMALL.name / "last.pt")
+    planned = at.planned_steps(SMALL, data.train)
+    assert planned > SMALL.warmup
+    assert last["state"]["step"] == planned
+    assert last["schedule"]["_last_lr"] == [0.0]  # the rate after the last step
+
+
+def test_planned_steps_with_ranks_count_as_one_process_does():
+    pairs = [([1, 5, 2], [1, 6, 7, 2])] * 300
+    settings = dataclasses.replace(SMALL, accum_iter=1, epochs=3)
+    one = at.planned_steps(settings, pairs)
+    two = at.planned_steps(settings, pairs, world_size=2)
+    assert two % 2 == 0 and abs(two - one) <= 2 * settings.epochs  # rounding per epoch only
+
+
+# --- clipping ----------------------------------------------------------------------------
+
+
+def one_sgd_step(grads: list[torch.Tensor], clip_norm) -> torch.Tensor:
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    at.optimizer_step(optimizer, schedule, at.TrainState(), clip_norm)
+    return torch.cat([p.detach() for p in params])  # the update, since they started at 0
+
+
+def test_clipping_scales_all_gradients_together_to_the_norm():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0, 0.0])]  # norm 5 together
+    update = one_sgd_step(grads, clip_norm=1.0)
+    assert math.isclose(update.norm().item(), 1.0, rel_tol=1e-5)
+    assert torch.allclose(update, -torch.tensor([3.0, 0.0, 0.0, 4.0, 0.0]) / 5)  # same direction
+    small = [torch.tensor([0.3, 0.0]), torch.tensor([0.0, 0.4, 0.0])]  # norm 0.5: untouched
+    assert torch.allclose(one_sgd_step(small, clip_norm=1.0), -torch.cat(small))
+    assert torch.allclose(one_sgd_step(grads, clip_norm=None), -torch.cat(grads))
+
+
+# --- precision ---------------------------------------------------------------------------
+
+
+def tiny_batch():
+    src = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
+    return at.Batch(src, src, 0)
+
+
+def test_precision_follows_the_settings_and_a_resumed_run(capsys):
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    criterion = at.LabelSmoothing(11, 0, 0.1)
+    cpu, batch = torch.device("cpu"), tiny_batch()
+    fp32, auto = at.Settings(name="t"), at.Settings(name="t", precision="auto")
+    assert fp32.precision == "fp32"
+    assert at.choose_precision(fp32, cpu, model, batch, criterion, []) == "fp32"
+    resumed = [{"precision": "bf16"}]
+    assert at.choose_precision(auto, cpu, model, batch, criterion, resumed) == "bf16"
+    assert at.choose_precision(auto, cpu, model, batch, criterion, [], world_size=2) == "fp32"
+    assert capsys.readouterr().out == ""  # none of these needed a measurement
+    chosen = at.choose_precision(auto, cpu, model, batch, criterion, [])
+    assert chosen in ("fp32", "bf16") and "one training batch:" in capsys.readouterr().out
+
+
+def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
+    at.set_seed(0)
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.5)
+    before = torch.get_rng_state()
+    pays, fp32, bf16 = at.bf16_pays_off(model, tiny_batch(), at.LabelSmoothing(11, 0), repeats=1)
+    assert isinstance(pays, bool) and fp32 > 0 and bf16 > 0
+    assert torch.equal(before, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_cpu_autocast_uses_our_attention_not_the_fused_kernel(monkeypatch):
+    mha = at.MultiHeadAttention(2, 16, 0.0, use_sdpa=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused kernel was called")
+
+    monkeypatch.setattr(at.F, "scaled_dot_product_attention", refuse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(query=x, key=x, value=x)
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(AssertionError, match="fused kernel"):
+        mha(query=x, key=x, value=x)  # outside autocast, use_sdpa does call it
+    assert at.autocast_for(torch.device("cpu"), "fp32") is at.contextlib.nullcontext
+
+
+# --- averaging ---------------------------------------------------------------------------
+
+
+def test_average_weights_is_the_elementwise_mean():
+    dicts = [{"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)} for _ in range(3)]
+    dicts[1]["w"] = torch.tensor([4.0, -1.0])
+    mean = at.average_weights(dicts)
+    assert torch.allclose(mean["w"], torch.tensor([2.0, 1.0])) and mean["b"] == 3.0
+
+
+def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
+    settings = dataclasses.replace(SMALL, epochs=3, average_last=2)
+    model, history = at.train_model(
+        settings, data, tmp_path, device=torch.device("cpu"), show=False
+    )
+    folder = tmp_path / "checkpoints" / settings.name
+    assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-1.pt", "epoch-2.pt"]
+    saved = [at.read_checkpoint(folder / f"epoch-{e}.pt")["model"] for e in (1, 2)]
+    assert not torch.equal(saved[0]["generator.proj.weight"], saved[1]["generator.proj.weight"])
+    for name, value in model.state_dict().items():
+        assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
+    averaged = history[-1]["averaged"]
+    assert averaged["epochs"] == [1, 2] and 0 <= averaged["val_bleu"] <= 100
+    assert all(0 <= h["val_bleu"] <= 100 for h in history)
+
+
+# --- beam search on a scripted model -----------------------------------------------------
+
+PAD, START, END, V = 0, 1, 2, 5  # words 3 and 4 are "a" and "b"
+IDS = {"start": START, "end": END, "pad": PAD}
+
+
+class Scripted:
+    """A stand-in for the model: next-word log-probabilities fixed by the prefix."""
+
+    def __init__(self, table=None, seed: int = 0):
+        self.table, self.seed, self.calls = table or {}, seed, 0
+
+    def eval(self):
+        return self
+
+    def encode(self, src, src_mask):
+        return torch.zeros(src.size(0), src.size(1), 1)
+
+    def log_probs(self, prefix: tuple) -> torch.Tensor:
+        if prefix in self.table:
+            probs = torch.tensor(self.table[prefix], dtype=torch.float)
+        else:  # a fixed random distribution per prefix
+            generator = torch.Generator().manual_seed(hash((self.seed, prefix)) % 2**31)
+            probs = torch.rand(3, generator=generator) + 0.05
+        probs = torch.cat([torch.zeros(2), probs / probs.sum()])  # never <pad> or <s>
+        return probs.log()
+
+    def steps(self, model, memory, src_mask):
+        scripted = self
+
+        class Steps:
+            def __call__(self, ys):
+                scripted.calls += 1
+                return torch.stack([scripted.log_probs(tuple(row[1:])) for row in ys.tolist()])
+
+            def reorder(self, rows):
+                pass
+
+        return Steps()
+
+
+def search(model: Scripted, beam_size: int, alpha: float, max_len: int = 5, sentences: int = 1):
+    src = torch.ones(sentences, 3, dtype=torch.long)
+    mask = torch.ones(sentences, 1, 3, dtype=torch.bool)
+    out = at.beam_search(
+        model, src, mask, max_len, beam_size=beam_size, alpha=alpha, ids=IDS, steps=model.steps
+    )
+    return [tuple(w for w in row[1:] if w != PAD) for row in out.tolist()]
+
+
+def best_by_brute_force(model: Scripted, alpha: float, max_len: int) -> tuple:
+    """Score every output that ends with </s> within the cap; return the best."""
+    best, best_score = None, -math.inf
+    for n in range(max_len - 1):  # n words before </s>
+        for words in itertools.product((3, 4), repeat=n):
+            output = (*words, END)
+            total = sum(model.log_probs(output[:i])[w].item() for i, w in enumerate(output))
+            score = total / ((5 + len(output)) / 6) ** alpha
+            if score > best_score:
+                best, best_score = output, score
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_wide_beam_finds_the_best_penalised_translation(alpha, seed):
+    """With more beams than prefixes nothing is pruned, so beam search must return the
+    exact optimum; this checks the bookkeeping, the penalty and the stopping rule."""
+    model = Scripted(seed=seed)
+    assert search(model, beam_size=32, alpha=alpha) == [best_by_brute_force(model, alpha, 5)]
+
+
+def test_a_finished_translation_leaves_the_beam_and_the_penalty_decides():
+    # "</s>" at once has probability 0.5, "a </s>" 0.45 * 0.99: short wins without a
+    # penalty, but not with a strong one, and only if "a" kept exploring after "</s>"
+    table = {(): [0.5, 0.45, 0.05], (3,): [0.99, 0.005, 0.005], (4,): [0.4, 0.3, 0.3]}
+    assert search(Scripted(table), beam_size=2, alpha=0.0) == [(END,)]
+    assert search(Scripted(table), beam_size=2, alpha=3.0) == [(3, END)]
+
+
+def test_search_stops_once_no_live_beam_can_win():
+    # every step ends with </s> at 0.9: with alpha 0 the first finished one already beats
+    # any longer output, so the search must stop after the first step
+    model = Scripted({(): [0.9, 0.05, 0.05]})
+    assert search(model, beam_size=2, alpha=0.0, max_len=30) == [(END,)]
+    assert model.calls == 1
+
+
+def test_beam_of_one_is_greedy_on_a_scripted_model():
+    for seed in range(6):
+        model = Scripted(seed=seed)
+        greedy, prefix = [], ()
+        while len(prefix) < 9:
+            word = int(model.log_probs(prefix).argmax())
+            prefix = (*prefix, word)
+            if word == END:
+                break
+        greedy = [prefix]
+        assert search(model, beam_size=1, alpha=0.6, max_len=10) == greedy, seed
+
+
+def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypatch):
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    cpu = at.get_settings("cpu")
+    pairs = at.prepare_data(cpu, tmp_path).train
+    assert len(pairs) > 28_000
+    assert at.planned_steps(cpu, pairs) == at.CPU_PRESET_STEPS
+
+
+def test_translate_never_writes_unk_unless_allowed(data):
+    at.set_seed(0)
+    model = at.model_for(SMALL, data.vocabs).eval()
+    en = data.vocabs["en"]
+    with torch.no_grad():
+        model.generator.proj.bias[en.unk_id] = 100.0  # <unk> is by far the likeliest word
+    sources = [src for src, _ in data.val[:6]]
+    for beam in (1, 3):
+        allowed = at.translate(model, sources, data.vocabs, beam_size=beam, allow_unk=True)
+        assert all(tokens and set(tokens) == {"<unk>"} for tokens in allowed)
+        banned = at.translate(model, sources, data.vocabs, beam_size=beam)
+        assert all("<unk>" not in tokens for tokens in banned)
+        plain = at.translate(model, sources, data.vocabs, beam_size=beam, cached=False)
+        assert plain == banned  # the ban works the same on both decoders

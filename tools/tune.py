@@ -1,0 +1,91 @@
+"""Train the `cpu` preset with some settings changed and score it on the validation split.
+
+    .venv/bin/python tools/tune.py lr_factor=0.35 epochs=10
+    .venv/bin/python tools/tune.py --label paper-schedule schedule=inverse_sqrt
+
+Each run trains from scratch in data/tune/<label>/ (delete it to run again), prints a
+line per epoch, then appends one JSON line to build/tune.jsonl: the changed settings,
+greedy validation BLEU per epoch and of the averaged weights, beam validation BLEU of
+the final model, and the minutes spent. It never touches the test split: this is
+the tool for choosing settings.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+with contextlib.redirect_stdout(io.StringIO()):
+    import annotated_transformer as at
+
+
+def parse_change(text: str) -> tuple[str, object]:
+    """'lr_factor=0.35' -> ('lr_factor', 0.35), typed like the field's default."""
+    name, _, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(at.Settings)}
+    if name not in fields or not value:
+        raise SystemExit(f"tune: {text!r} is not name=value for a Settings field")
+    current = getattr(at.get_settings("cpu"), name)
+    if value == "None":
+        return name, None
+    if isinstance(current, bool):
+        return name, value.lower() in ("1", "true", "yes")
+    if isinstance(current, int) and not isinstance(current, bool):
+        return name, int(value)
+    if isinstance(current, float) or fields[name].type in ("float | None", float):
+        return name, float(value)
+    return name, value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("changes", nargs="*", help="name=value for Settings fields")
+    parser.add_argument("--label", help="the run's name (default: from the changes)")
+    parser.add_argument("--out", default=str(ROOT / "build" / "tune.jsonl"))
+    args = parser.parse_args()
+    changes = dict(parse_change(c) for c in args.changes)
+    label = args.label or ("-".join(f"{k}={v}" for k, v in changes.items()) or "cpu")
+    settings = dataclasses.replace(at.get_settings("cpu"), name=f"tune-{label}", **changes)
+    data = at.prepare_data(settings, at.DATA_DIR)
+    start = time.perf_counter()
+    model, history = at.train_model(settings, data, at.DATA_DIR / "tune")
+    minutes = (time.perf_counter() - start) / 60
+    model.eval()
+    beam = at.translate(
+        model,
+        [src for src, _ in data.val],
+        data.vocabs,
+        beam_size=settings.beam_size,
+        alpha=settings.length_penalty,
+    )
+    references = [en for _, en in data.val_text]
+    beam_bleu = at.bleu_scores(beam, references, at.english_tokens(references))["bleu"]
+    record = {
+        "label": label,
+        "changes": changes,
+        "val_bleu": [round(h["val_bleu"], 2) for h in history],
+        "val_loss": [round(h["val_loss"], 3) for h in history],
+        "averaged": history[-1].get("averaged"),
+        "final_val_bleu_beam": round(beam_bleu, 2),
+        "precision": history[-1]["precision"],
+        "train_minutes": round(sum(h["seconds"] for h in history) / 60, 1),
+        "minutes": round(minutes, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(record))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
