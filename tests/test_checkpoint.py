@@ -251,6 +251,10 @@ settings = dataclasses.replace(
     at.Settings(name="tiny", N=1, d_model=16, d_ff=32, h=2, train_pairs=200, eval_pairs=20),
     batch_tokens=300, accum_iter=2, epochs=2, warmup=10, checkpoint_steps=3,
 )
+if sys.argv[4] == "budget":  # the cpu preset's ways: linear decay, clipping, averaging
+    settings = dataclasses.replace(
+        settings, epochs=3, schedule="linear", clip_norm=1.0, average_last=2
+    )
 if kill_at:  # the hard way out: no cleanup, no finally blocks
     stop_after_step(kill_at, lambda: os.kill(os.getpid(), signal.SIGKILL))
 model, history = at.train_model(settings, data_dir=data_dir, device=torch.device("cpu"), show=False)
@@ -258,14 +262,14 @@ torch.save({"model": model.state_dict(), "history": history}, out)
 """
 
 
-def run_child(tmp_path, data_dir, kill_at):
+def run_child(tmp_path, data_dir, kill_at, kind="paper"):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / f"out-{data_dir.name}-{kill_at}.pt"
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "MULTI30K_DIR": str(MIRROR), "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     result = subprocess.run(
-        [sys.executable, str(script), str(data_dir), str(out), str(kill_at)],
+        [sys.executable, str(script), str(data_dir), str(out), str(kill_at), kind],
         env=env,
         capture_output=True,
         text=True,
@@ -296,3 +300,32 @@ def test_sigkill_mid_epoch_then_restart_is_bit_identical(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     losses = [[(h["train_loss"], h["val_loss"]) for h in run["history"]] for run in (a, b)]
     assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def test_a_budget_run_killed_in_its_last_epoch_resumes_to_the_same_average(tmp_path):
+    """Linear decay, clipping and averaging survive SIGKILL: the epoch files already
+    written are kept, and the averaged model is bit-identical to an uninterrupted run's."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    straight, straight_out = run_child(tmp_path, tmp_path / "straight", 0, "budget")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    last = tmp_path / "straight" / "checkpoints" / "tiny" / "last.pt"
+    steps = torch.load(last, weights_only=True)["state"]
+    kill_at = steps["step"] * 5 // 6  # in the middle of the last of the three epochs
+
+    killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at, "budget")
+    assert killed.returncode == -signal.SIGKILL
+    folder = tmp_path / "killed" / "checkpoints" / "tiny"
+    assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()
+    assert torch.load(folder / "last.pt", weights_only=True)["ranks"][0]["position"]["epoch"] == 2
+
+    resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0, "budget")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = torch.load(straight_out, weights_only=True)
+    b = torch.load(resumed_out, weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    scores = [
+        [(h["train_loss"], h["val_loss"], h["val_bleu"], h.get("averaged")) for h in run["history"]]
+        for run in (a, b)
+    ]
+    assert scores[0] == scores[1] and scores[0][-1][3]["epochs"] == [1, 2]

@@ -1,6 +1,8 @@
 """plumbing.py on its own: caches and fingerprints (its file and checkpoint functions are
 tested in test_data.py, test_defects.py and test_checkpoint.py)."""
 
+import os
+
 import plumbing
 
 
@@ -36,3 +38,19 @@ def test_fingerprint_changes_with_any_part_of_the_value():
 def test_the_module_never_imports_the_notebook():
     with open(plumbing.__file__, encoding="utf-8") as f:
         assert "annotated_transformer" not in f.read()
+
+
+def test_prepare_cpu_memory_caps_onednn_and_keeps_a_users_choice(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert isinstance(plumbing.prepare_cpu_memory(), bool)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    plumbing.prepare_cpu_memory()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+
+
+def test_peak_memory_is_at_least_the_memory_in_use():
+    peak = plumbing.peak_memory_gb()
+    if peak is not None:  # None only where the resource module is missing (Windows)
+        block = bytearray(200_000_000)  # touch 0.2 GB
+        assert plumbing.peak_memory_gb() >= 0.2 and block
