@@ -277,6 +277,11 @@ def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypa
     pairs = at.prepare_data(cpu, tmp_path).train
     assert len(pairs) > 28_000
     assert at.planned_steps(cpu, pairs) == at.CPU_PRESET_STEPS
+    for settings in at.PRESETS.values():  # every preset's warm-up ends well before its run
+        ours = pairs[: settings.train_pairs]
+        steps = at.planned_steps(settings, ours)
+        assert settings.warmup < steps / 3, settings.name
+        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=steps)
 
 
 def test_translate_never_writes_unk_unless_allowed(data):
