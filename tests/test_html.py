@@ -125,7 +125,7 @@ def test_no_output_holds_a_traceback(page):
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
-    assert charts == len(export_html.chart_specs(notebook)) == 9
+    assert charts == len(export_html.chart_specs(notebook)) == 10
     assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
     assert "window.vegaEmbed" in text and "<math" in text
     assert text.count('<details class="folded-code">') >= 10  # the plumbing, one click away
