@@ -16,13 +16,21 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 COMPAT_VENV := .venv-compat
 COMPAT_PINS := altair==5.5.0 pandas==2.2.3 numpy==2.1.3  # replace these three of requirements.txt
 
-.PHONY: setup kernel lab run test test-compat bench html lint sync clean
+# Where pip finds torch. Empty: PyPI, whose Linux x86-64 torch is the CUDA build (gigabytes).
+# On a Linux machine without a GPU, `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# takes the CPU-only build instead (README, "Installing on a machine without a GPU").
+TORCH_INDEX ?=
+# The tests whose numbers depend on the CPU's kernels, run again under other kernel sets.
+NUMERICS_TESTS := -m numerics tests
+
+.PHONY: setup kernel lab run test test-numerics test-compat bench html lint sync clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)" >/dev/null
 	touch $(STAMP)
@@ -44,6 +52,15 @@ run: setup
 test: setup
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
+
+# The numerically sensitive tests (marked `numerics`) under other kernel sets: PyTorch's
+# generic and AVX2 kernels, oneDNN and MKL capped at AVX2, and one OpenMP thread. Each
+# set rounds differently, as another CPU would; the tests must hold under all of them.
+test-numerics: setup
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest $(NUMERICS_TESTS) -q
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest $(NUMERICS_TESTS) -q
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest $(NUMERICS_TESTS) -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(NUMERICS_TESTS) -q
 
 # The smoke notebook under the oldest versions we support (torch and Python as here).
 test-compat: setup
