@@ -5,6 +5,7 @@ import hashlib
 import io
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import MIRROR
 
@@ -102,6 +103,76 @@ def test_download_is_checked_and_atomic(tmp_path, monkeypatch):
     assert not target.exists() and list(tmp_path.iterdir()) == []
     plumbing.download("tiny.de.gz", target)
     assert target.read_bytes() == payload
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """Six small stand-ins for the Multi30k files, with their SHA-256 as the published ones."""
+    names = [f"{split}.{lang}.gz" for split in conftest.SPLITS for lang in ("de", "en")]
+    payloads = {name: gzip.compress(name.encode()) for name in names}
+    for name, payload in payloads.items():
+        monkeypatch.setitem(plumbing.SHA256, name, hashlib.sha256(payload).hexdigest())
+    return payloads
+
+
+@pytest.fixture
+def fetched(published, monkeypatch):
+    """A fake plumbing.download that serves the stand-ins; yields the names it was asked for."""
+    names = []
+
+    def fake_download(name, target, url_pattern=plumbing.MULTI30K_URL):
+        names.append(name)
+        plumbing.write_atomically(target, published[name])
+        return target
+
+    monkeypatch.setattr(plumbing, "download", fake_download)
+    return names
+
+
+def test_tests_find_the_data_in_multi30k_dir_first(tmp_path, monkeypatch, fetched):
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "mirror"))
+    folder, source = conftest.find_multi30k(tmp_path / "data")
+    assert folder == tmp_path / "mirror" and "mirror is not a folder: point it at" in source
+    (tmp_path / "mirror").mkdir()
+    assert conftest.find_multi30k(tmp_path / "data")[1].startswith("Multi30k from MULTI30K_DIR=")
+    assert fetched == []
+
+
+def test_tests_find_the_data_in_data_downloading_only_what_is_missing(
+    tmp_path, monkeypatch, published, fetched
+):
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.de.gz").write_bytes(published["val.de.gz"])
+    folder, source = conftest.find_multi30k(data)
+    assert folder == data and "checked by SHA-256" in source
+    assert sorted(fetched) == sorted(set(published) - {"val.de.gz"})
+    assert all((data / name).read_bytes() == payload for name, payload in published.items())
+    fetched.clear()
+    assert conftest.find_multi30k(data)[0] == data and fetched == []  # all there: no download
+
+
+def test_tests_without_network_get_a_missing_folder_and_the_reason(tmp_path, monkeypatch):
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+
+    def no_network(url, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(plumbing.urllib.request, "urlopen", no_network)
+    folder, source = conftest.find_multi30k(tmp_path / "data")
+    assert not folder.exists()
+    assert source.startswith("no Multi30k data: could not download https://")
+
+
+def test_tests_never_download_over_a_damaged_file(tmp_path, monkeypatch, published, fetched):
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.de.gz").write_bytes(b"damaged")
+    folder, source = conftest.find_multi30k(data)
+    assert not folder.exists() and "train.de.gz has the wrong SHA-256" in source
+    assert (data / "train.de.gz").read_bytes() == b"damaged" and fetched == []
 
 
 def test_unwritable_folder_is_one_clear_line_and_keeps_the_old_file(tmp_path, monkeypatch):

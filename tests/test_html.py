@@ -57,6 +57,17 @@ def test_a_missing_markdown_image_stops_the_export(tmp_path):
         export_html.export(source, tmp_path / "missing.html")
 
 
+def test_an_unwritable_target_is_one_clear_line(tmp_path, monkeypatch):
+    source = markdown_notebook(tmp_path / "plain.ipynb", "Some prose.")
+    (tmp_path / "build").write_text("a file where the folder must go")
+    target = tmp_path / "build" / "page.html"
+    monkeypatch.setattr(sys, "argv", ["export_html.py", str(source), str(target)])
+    with pytest.raises(SystemExit) as error:
+        export_html.main()
+    message = str(error.value)
+    assert message.startswith(f"cannot create the folder {target.parent}: ") and "\n" not in message
+
+
 def test_figure_is_accessible_self_contained_and_names_real_classes():
     root = ET.parse(ROOT / FIGURE).getroot()
     assert root.tag == f"{SVG}svg" and root.get("width") == "700"

@@ -2,6 +2,12 @@
 tested in test_data.py, test_defects.py and test_checkpoint.py)."""
 
 import os
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
 
 import plumbing
 
@@ -49,8 +55,30 @@ def test_prepare_cpu_memory_caps_onednn_and_keeps_a_users_choice(monkeypatch):
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
 
 
-def test_peak_memory_is_at_least_the_memory_in_use():
-    peak = plumbing.peak_memory_gb()
-    if peak is not None:  # None only where the resource module is missing (Windows)
-        block = bytearray(200_000_000)  # touch 0.2 GB
-        assert plumbing.peak_memory_gb() >= 0.2 and block
+def high_water_mark_bytes() -> int:
+    """The kernel's own record of this process's peak resident memory (Linux only)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status exists on Linux only")
+def test_peak_memory_matches_the_kernels_high_water_mark():
+    block = b"\x01" * 50_000_000  # written, so resident
+    peak = plumbing.peak_memory_gb() * 1e9
+    # The two counters may differ by a few pages; reading KiB as 1,000 bytes would be 2.4% off.
+    assert peak == pytest.approx(high_water_mark_bytes(), rel=0.01) and block
+
+
+@pytest.mark.parametrize("platform, maxrss, gb", [("linux", 2_000_000, 2.048), ("darwin", 2e9, 2)])
+def test_peak_memory_reads_kib_on_linux_and_bytes_on_macos(monkeypatch, platform, maxrss, gb):
+    """getrusage(2): ru_maxrss is in kilobytes (KiB) on Linux and the BSDs, bytes on macOS."""
+    usage = types.SimpleNamespace(ru_maxrss=maxrss)
+    fake = types.SimpleNamespace(RUSAGE_SELF=0, getrusage=lambda who: usage)
+    monkeypatch.setitem(sys.modules, "resource", fake)
+    monkeypatch.setattr(plumbing.sys, "platform", platform)
+    assert plumbing.peak_memory_gb() == pytest.approx(gb)
+
+
+def test_peak_memory_is_none_without_the_resource_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "resource", None)  # as on Windows: import fails
+    assert plumbing.peak_memory_gb() is None

@@ -12,10 +12,8 @@ and the code of cells tagged `hide-input` is folded into a <details> block ("sho
 
 import argparse
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import nbformat
@@ -23,6 +21,13 @@ import vl_convert
 from bs4 import BeautifulSoup
 from latex2mathml.converter import convert as latex_to_mathml
 from nbconvert import HTMLExporter
+
+# Markdown cells link images relative to the notebook in the project root; executed
+# copies in build/ keep those links, so they are resolved from here, not from build/.
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+
+from plumbing import DataError, write_atomically  # noqa: E402 (the project root is on the path now)
 
 # Altair 5 says application/vnd.vegalite.v5+json; Altair 6 says ...v6.json (a dot, not "+").
 VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+[+.]json")
@@ -33,9 +38,6 @@ ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\
 REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
 # An <img> whose src has no scheme (no data:, no https:) is a file the page would need.
 LOCAL_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="(?![a-zA-Z][a-zA-Z0-9+.-]*:)([^"]*)"')
-# Markdown cells link images relative to the notebook in the project root; executed
-# copies in build/ keep those links, so they are resolved from here, not from build/.
-PROJECT = Path(__file__).resolve().parent.parent
 
 
 def math_to_mathml(markdown: str) -> str:
@@ -124,12 +126,7 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])
     bundle = bundle.replace("</script", "<\\/script").replace("<!--", "<\\!--")  # stay in <script>
     body = body.replace("<head>", f"<head>\n<script>(function () {{\n{bundle}\n}})();</script>", 1)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(body)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, target)
+    write_atomically(target, body.encode("utf-8"))
     return charts
 
 
@@ -140,7 +137,10 @@ def main() -> None:
     args = parser.parse_args()
     if not args.source.is_file():
         sys.exit(f"{args.source} does not exist: run `make run` first")
-    charts = export(args.source, args.target)
+    try:
+        charts = export(args.source, args.target)
+    except DataError as error:  # the target's folder cannot be written
+        sys.exit(str(error))
     size = args.target.stat().st_size / 2**20
     print(f"wrote {args.target} ({size:.1f} MiB, {charts} charts, works offline)")
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/tune.py lr_factor=0.35 epochs=10
     .venv/bin/python tools/tune.py --label paper-schedule schedule=inverse_sqrt
+    .venv/bin/python tools/tune.py train_pairs=5000 clip_norm=none pre_norm=true
 
 Each run trains from scratch in data/tune/<label>/ (delete it to run again), prints a
 line per epoch, then appends one JSON line to build/tune.jsonl: the changed settings,
@@ -17,6 +18,7 @@ import io
 import json
 import sys
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -28,22 +30,34 @@ with contextlib.redirect_stdout(io.StringIO()):
     import annotated_transformer as at
 
 
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
 def parse_change(text: str) -> tuple[str, object]:
-    """'lr_factor=0.35' -> ('lr_factor', 0.35), typed like the field's default."""
+    """'lr_factor=0.35' -> ('lr_factor', 0.35), typed by the field's annotation.
+
+    `int | None` and `float | None` fields also take `none`; a bool takes true/false."""
     name, _, value = text.partition("=")
-    fields = {f.name: f for f in dataclasses.fields(at.Settings)}
-    if name not in fields or not value:
-        raise SystemExit(f"tune: {text!r} is not name=value for a Settings field")
-    current = getattr(at.get_settings("cpu"), name)
-    if value == "None":
+    types = typing.get_type_hints(at.Settings)
+    types.pop("name")  # tune names its runs itself (--label)
+    if name not in types or not value:
+        raise SystemExit(
+            f"tune: {text!r} is not name=value for a Settings field; "
+            f"the fields are {', '.join(types)}"
+        )
+    members = typing.get_args(types[name])  # (int, NoneType) for `int | None`; () for `int`
+    optional = type(None) in members
+    kind = next(t for t in members if t is not type(None)) if members else types[name]
+    if optional and value.lower() == "none":
         return name, None
-    if isinstance(current, bool):
-        return name, value.lower() in ("1", "true", "yes")
-    if isinstance(current, int) and not isinstance(current, bool):
-        return name, int(value)
-    if isinstance(current, float) or fields[name].type in ("float | None", float):
-        return name, float(value)
-    return name, value
+    if kind is bool:
+        if value.lower() in TRUE + FALSE:
+            return name, value.lower() in TRUE
+    else:
+        with contextlib.suppress(ValueError):
+            return name, kind(value)
+    expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+    raise SystemExit(f"tune: {text!r}: {name} takes {expected}{' or none' if optional else ''}")
 
 
 def main() -> None:
