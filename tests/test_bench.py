@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import MIRROR, ROOT
+from torch.utils.flop_counter import FlopCounterMode
 
 import annotated_transformer as at
 
@@ -57,9 +58,76 @@ def test_headline_figures_and_table(run):
         "greedy_test2016_seconds",
         "beam4_test2016_seconds",
         "peak_memory_mb",
+        "model_flops_per_second",
+        "matmul_flops_per_second",
     ):
         assert isinstance(report[key], float) and report[key] > 0, key
-    assert "| step ratio ours / PyTorch |" in printed
+    assert 0 < report["mfu"] <= 1
+    assert "| step ratio ours / PyTorch |" in printed and "| MFU, ours (PyTorch's) |" in printed
+    assert bench.MFU_MEANING in printed
+
+
+def test_every_training_figure_is_in_the_precision_a_run_picks(run):
+    report, printed = run
+    # the smoke preset stays in float32 (choose_precision says so without measuring)
+    assert report["precision"] == "fp32" and not report["precision_forced"]
+    assert report["precision_calibration"] is None
+    assert report["model_vs_pytorch"]["precision"] == report["pipeline"]["precision"] == "fp32"
+    assert report["utilisation"]["matmul"]["precision"] == "fp32"
+    assert "1/4 training step in fp32" in printed and "| training precision | fp32 " in printed
+
+
+def test_mfu_is_the_model_flops_over_the_matmul_flops(run):
+    report = run[0]
+    mfu, models = report["utilisation"], report["model_vs_pytorch"]
+    matmul = mfu["matmul"]
+    assert matmul["flops"] == 2 * matmul["size"] ** 3 and matmul["best_seconds"] > 0
+    assert mfu["matmul_flops_per_second"] == pytest.approx(matmul["flops"] / matmul["best_seconds"])
+    flops = models["model_flops_per_step"] / models["ours_step_seconds"]
+    assert mfu["model_flops_per_second"] == pytest.approx(flops)
+    assert mfu["mfu"] == pytest.approx(flops / mfu["matmul_flops_per_second"])
+    assert mfu["pytorch_mfu"] == pytest.approx(mfu["mfu"] * models["ratio"])
+
+
+def test_training_flops_count_the_products_that_pytorch_counts():
+    # explicit attention (no fused kernel, which FlopCounterMode does not count on a CPU)
+    settings = dataclasses.replace(SMOKE, dropout=0.0, use_sdpa=False)
+    vocabs = {"de": at.Vocab([*at.SPECIALS, *"abcdefg"]), "en": at.Vocab([*at.SPECIALS, *"hijk"])}
+    model, pad = at.model_for(settings, vocabs), vocabs["en"].pad_id
+    B, S, T = 3, 5, 5  # S = T: the count puts cross-attention's W^K, W^V on target tokens
+    words = torch.Generator().manual_seed(0)
+    src = torch.randint(4, 11, (B, S), generator=words)
+    tgt = torch.randint(4, 8, (B, T + 1), generator=words)  # <s> and T predicted tokens
+    criterion = at.FastLabelSmoothing(len(vocabs["en"]), pad, 0.1)
+    with FlopCounterMode(display=False) as counter:
+        at.batch_loss(model, criterion, at.Batch(src, tgt, pad)).backward()
+    # the kernels also multiply the masked half of each decoder self-attention, T(T-1)/2
+    # query-key pairs per sentence that the model's count leaves out
+    masked = 12 * settings.d_model * settings.N * B * T * (T - 1) // 2
+    counted = bench.training_flops(model, settings, [at.Batch(src, tgt, pad)], pad)
+    assert counted + masked == counter.get_total_flops()
+    padded = at.Batch(
+        torch.cat([src, torch.full((B, 3), pad)], dim=1),
+        torch.cat([tgt, torch.full((B, 2), pad)], dim=1),
+        pad,
+    )
+    assert bench.training_flops(model, settings, [padded], pad) == counted  # padding: none
+
+
+def test_calibration_is_the_runs_own(data_dir, monkeypatch):
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    data = at.prepare_data(SMOKE, data_dir)
+    auto = dataclasses.replace(SMOKE, precision="auto")  # as the cpu preset has it
+    chosen = bench.calibrate_precision(auto, data, torch.device("cpu"))
+    assert chosen["precision"] in bench.DTYPES
+    assert (
+        f"-> training in {'bf16' if chosen['precision'] == 'bf16' else 'float32'}"
+        in (chosen["calibration"])
+    )
+    assert bench.calibrate_precision(SMOKE, data, torch.device("cpu")) == {
+        "precision": "fp32",
+        "calibration": None,
+    }
 
 
 def test_both_models_train_and_have_the_same_layers(run):
@@ -85,14 +153,32 @@ def test_padding_efficiency_of_buckets_beats_fixed_padding(run):
     assert 0 < padding["reference"] < padding["ours"] <= 1
 
 
-def test_decoding_ran_both_ways(run):
-    decoding = run[0]["decoding"]
+def test_decoding_ran_both_ways_as_a_run_decodes(run):
+    report, printed = run
+    decoding = report["decoding"]
     assert decoding["sentences"] == SMOKE.eval_pairs and decoding["beam_size"] == SMOKE.beam_size
-    for key in ("greedy_seconds", "greedy_plain_seconds", "beam_seconds", "beam_first_seconds"):
+    assert decoding["alpha"] == SMOKE.length_penalty  # the run's, not translate's default
+    for key in (
+        "greedy_seconds",
+        "greedy_cached_seconds",
+        "greedy_plain_seconds",
+        "beam_seconds",
+        "beam_first_seconds",
+        "beam_first_plain_seconds",
+    ):
         assert decoding[key] > 0, key
-    # an untrained model's near-ties may round differently on the two paths: type only
-    assert isinstance(decoding["greedy_identical"], bool)
-    assert isinstance(decoding["beam_identical"], bool)
+    for method in ("greedy", "beam"):  # scored by at.evaluate_test, as in make run
+        assert 0 <= decoding[f"test2016_bleu_{method}"] <= 100
+    assert decoding["bleu_signature"].startswith("nrefs:1")
+    assert "| test2016 BLEU, greedy / beam |" in printed
+    # an untrained model's near-ties may round differently on the two paths, now and
+    # then; a broken cache changes nearly every sentence
+    n, first = decoding["sentences"], decoding["beam_first_sentences"]
+    assert first == min(n, bench.PLAIN_BEAM_SENTENCES)
+    assert decoding["greedy_same_sentences"] >= 0.9 * n
+    assert decoding["beam_same_sentences"] >= 0.9 * first
+    assert decoding["greedy_identical"] == (decoding["greedy_same_sentences"] == n)
+    assert decoding["beam_identical"] == (decoding["beam_same_sentences"] == first)
 
 
 def test_machine_facts(run):

@@ -4,18 +4,27 @@
     .venv/bin/python tools/bench.py --preset smoke --repeats 2 --out /tmp/bench.json
     .venv/bin/python tools/bench.py --compile   # also our model under torch.compile
 
+It measures what `make run` does. Training runs in the precision that the run's own
+calibration picks (`at.choose_precision`: bf16 on a CPU where it pays off, with the
+preset's settings), through the notebook's loop (`at.run_epoch`, which clips and steps
+as a run does); decoding goes through the run's own `at.evaluate_test`, with the preset's
+beam size and length penalty.
+
 Four comparisons, each measured side by side in one run because machines are noisy:
 warm-up excluded, the median of several repeats, the two contenders interleaved.
 
-1. one training step of our model against torch.nn.Transformer of the same size;
+1. one training step of our model against torch.nn.Transformer of the same size, both
+   in the run's precision; from it, the model FLOPs per second and the MFU: their share
+   of this machine's matrix-multiply throughput, measured in the same precision;
 2. target tokens per second of our data pipeline and loop against a loop set up as the
-   well-known 2022 notebook sets it up (72-token padding, 32 sentences, fp32, spaCy in
-   the DataLoader's collate, dense KL label smoothing);
+   well-known 2022 notebook sets it up (72-token padding, 32 sentences, spaCy in the
+   DataLoader's collate, dense KL label smoothing), in the same precision as ours;
 3. the share of real tokens in training batches for both pipelines;
 4. greedy and beam decoding of test2016 with the trained final checkpoint, with and
    without cached keys and values.
 
-Peak memory and the machine's facts go into the same JSON file.
+Peak memory and the machine's facts go into the same JSON file; the README's Performance
+section explains the figures.
 """
 
 import argparse
@@ -27,7 +36,6 @@ import io
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,10 +52,7 @@ sys.path.insert(0, str(ROOT))
 # benchmark's own output is easier to read without them.
 with contextlib.redirect_stdout(io.StringIO()):
     import annotated_transformer as at
-
-
-# bf16 autocast on CUDA; float32 on a CPU, where the reference pipeline also runs in it
-PRECISION = {"cuda": "bf16", "cpu": "fp32", "mps": "fp32"}
+from plumbing import peak_memory_gb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,12 @@ SIZES = {
 }
 REFERENCE = {"max_padding": 72, "batch_size": 32, "accum_iter": 10}  # the 2022 notebook's
 PLAIN_BEAM_SENTENCES = 200  # beam search without a cache is slow: time it on these only
+# The machine's limit for the MFU: one square product of this size, large enough that a
+# CPU's or GPU's matrix units run at full speed; the best of MATMUL_REPEATS, or of as many
+# as fit in MATMUL_SECONDS (bf16 forced on a CPU without bf16 units takes a minute each).
+MATMUL_SIZE = {"cpu": 2048, "mps": 2048, "cuda": 8192}
+MATMUL_REPEATS, MATMUL_SECONDS = 10, 5.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the products' inputs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=at.BUILD_DIR / "bench.json")
     parser.add_argument("--data-dir", type=Path, default=at.DATA_DIR, help="data and checkpoints")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(DTYPES),
+        help="train in this precision (default: the one `make run`'s calibration picks; "
+        "bf16 on a CPU without bf16 instructions is very slow)",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="also time our model under torch.compile"
     )
@@ -93,6 +110,8 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that a clock reading covers it."""
     if device.type == "cuda":
         torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def timed(device: torch.device, work):
@@ -114,6 +133,28 @@ def fresh_training(settings: at.Settings, build, device: torch.device):
     return model, optimizer, schedule
 
 
+# 0. The precision that `make run` trains in
+
+
+def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dict:
+    """The precision `make run` would train in, picked as it picks it.
+
+    at.choose_precision on a fresh model of the preset and the run's first validation
+    batch (train_model calibrates on that one): bf16 where the preset says "auto" and bf16
+    pays off here, else float32. Returns the choice and what the calibration printed.
+    """
+    at.set_seed(settings.seed)
+    model = at.model_for(settings, data.vocabs).to(device)
+    en = data.vocabs["en"]
+    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    first = at.bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)[0]
+    batch = at.collate(data.val, first, en.pad_id).to(device)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        precision = at.choose_precision(settings, device, model, batch, criterion, history=[])
+    return {"precision": precision, "calibration": printed.getvalue().strip() or None}
+
+
 # 1. Our model against torch.nn.Transformer
 
 
@@ -126,31 +167,28 @@ class TorchTransformer(nn.Module):
 
     def __init__(self, settings: at.Settings, vocabs: dict):
         super().__init__()
-        d_model, dropout = settings.d_model, settings.dropout
+        # a fresh model of ours lends its embeddings, positions and generator (tied to the
+        # target embedding), so only the stacks between them differ
+        ours = at.model_for(settings, vocabs)
+        self.src_embed, self.tgt_embed, self.generator = (
+            ours.src_embed,
+            ours.tgt_embed,
+            ours.generator,
+        )
         self.src_pad_id, self.tgt_pad_id = vocabs["de"].pad_id, vocabs["en"].pad_id
-        self.src_embed = nn.Sequential(
-            at.TokenEmbedding(len(vocabs["de"]), d_model),
-            at.PositionalEncoding(d_model, dropout, max(settings.max_len, 256)),
-        )
-        self.tgt_embed = nn.Sequential(
-            at.TokenEmbedding(len(vocabs["en"]), d_model),
-            at.PositionalEncoding(d_model, dropout, max(settings.max_len, 256)),
-        )
         self.transformer = nn.Transformer(
-            d_model=d_model,
+            d_model=settings.d_model,
             nhead=settings.h,
             num_encoder_layers=settings.N,
             num_decoder_layers=settings.N,
             dim_feedforward=settings.d_ff,
-            dropout=dropout,
+            dropout=settings.dropout,
             batch_first=True,
             norm_first=settings.pre_norm,
         )
-        self.generator = at.Generator(d_model, len(vocabs["en"]))
-        for p in self.parameters():
+        for p in self.transformer.parameters():
             if p.dim() > 1:
-                nn.init.xavier_uniform_(p)
-        self.generator.proj.weight = self.tgt_embed[0].embedding.weight
+                nn.init.xavier_uniform_(p)  # as make_model initialises ours
 
     def forward(self, src, tgt, src_mask=None, tgt_mask=None):
         """Decoder states (B, T, d_model); our masks are ignored, the tokens give them."""
@@ -175,20 +213,24 @@ def fixed_batches(data: at.Multi30k, settings: at.Settings, count: int, device) 
     return [at.collate(data.train, b, pad_id).to(device) for b in indices[:count]]
 
 
-def train_round(training, criterion, batches, device) -> float:
-    """Mean seconds of one training step (forward, backward, Adam) over the batches."""
+def train_round(training, criterion, batches, settings: at.Settings, precision: str) -> float:
+    """Mean seconds of one training step (forward, backward, clipping, Adam) over the batches.
+
+    Each batch is one optimizer step through the notebook's own loop, as a run takes it.
+    """
     model, optimizer, schedule = training
-    model.train()
-    autocast = at.autocast_for(device, PRECISION[device.type])
+    device = next(model.parameters()).device
 
     def steps():
-        for batch in batches:
-            with autocast():
-                loss = at.batch_loss(model, criterion, batch)
-            (loss / batch.ntokens).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
+        at.run_epoch(
+            batches,
+            model,
+            criterion,
+            optimizer=optimizer,
+            schedule=schedule,
+            clip_norm=settings.clip_norm,
+            autocast=at.autocast_for(device, precision),
+        )
 
     seconds, _ = timed(device, steps)
     return seconds / len(batches)
@@ -200,11 +242,12 @@ def compiled(training):
     return torch.compile(model, dynamic=True), optimizer, schedule
 
 
-def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_too=False):
+def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, compile_too=False):
     """Median training-step time of our model and of nn.Transformer, rounds interleaved.
 
-    With compile_too, a third contender is our model under torch.compile; its first
-    round (the warm-up, untimed in the medians) includes the compilation.
+    Both train in `precision`. With compile_too, a third contender is our model under
+    torch.compile; its first round (the warm-up, untimed in the medians) includes the
+    compilation.
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
     en = vocabs["en"]
@@ -220,13 +263,16 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_t
     warmup = {}
     for repeat in range(repeats + 1):  # round 0 is the warm-up
         for name, training in contenders.items():
-            seconds = train_round(training, criterion, batches, device)
+            seconds = train_round(training, criterion, batches, settings, precision)
             if repeat > 0:
                 rounds[name].append(seconds)
             else:
                 warmup[name] = seconds * len(batches)
     ours, pytorch = statistics.median(rounds["ours"]), statistics.median(rounds["pytorch"])
+    model = contenders["ours"][0]
+    step_flops = training_flops(model, settings, batches, en.pad_id) / len(batches)
     return {
+        "precision": precision,
         "ours_step_seconds": ours,
         "pytorch_step_seconds": pytorch,
         "ratio": ours / pytorch,
@@ -234,6 +280,7 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_t
         "pytorch_parameters": at.count_parameters(contenders["pytorch"][0]),
         "batches": len(batches),
         "real_target_tokens_per_round": sum(b.ntokens for b in batches),
+        "model_flops_per_step": step_flops,
         "ours_round_step_seconds": rounds["ours"],
         "pytorch_round_step_seconds": rounds["pytorch"],
         **(
@@ -242,12 +289,91 @@ def compare_models(settings, data, device, sizes: Sizes, repeats: int, compile_t
                 "compiled_ratio": statistics.median(rounds["ours_compiled"]) / ours,
                 "compiled_warmup_round_seconds": warmup["ours_compiled"],
             }
-            if compile_too
+            if "ours_compiled" in rounds
             else {}
         ),
         "note": "nn.Transformer adds a final LayerNorm to both stacks even in post-norm "
         "and drops out the feed-forward hidden activations; the paper and our model do "
-        "neither",
+        "neither. Under bf16 autocast on a CPU our attention leaves PyTorch's fused kernel "
+        "(slow to backpropagate in bf16 there); nn.Transformer keeps it",
+    }
+
+
+# MFU: the model's arithmetic against the machine's
+
+
+def weight_matrix_parameters(module: nn.Module) -> int:
+    """Entries of the module's weight matrices: biases and LayerNorm gains are not products."""
+    return sum(p.numel() for p in module.parameters() if p.dim() > 1)
+
+
+def training_flops(model, settings: at.Settings, batches: list, pad_id: int) -> float:
+    """Model FLOPs of a forward and backward pass over the batches: the products the
+    model needs for its real tokens, not what the kernels do (padding is not counted).
+
+    A product of an (m x k) and a (k x n) matrix is 2mkn FLOPs, a multiply and an add per
+    term. A weight matrix with P entries applied to one token costs 2P forward and 4P
+    backward (the gradients of its input and of itself): 6P a token. The encoder's
+    matrices run over the real source tokens; the decoder's and the generator's over the
+    real target tokens. (The decoder's encoder-decoder attention projects the memory with
+    W^K and W^V, which really run over the source tokens; we count them with the target's,
+    which differ in number by a few percent in Multi30k.) Embedding lookups, biases, layer
+    norms, softmax and Adam are left out, as MFU usually leaves them: element-wise work.
+
+    Attention's own products, in each layer, per query-key pair: Q K^T is d_k
+    multiply-adds for each of the h heads, 2 d_model FLOPs; the weights times V another
+    2 d_model. Forward 4 d_model, backward twice that (two products each): 12 d_model. The
+    pairs between real tokens, per sentence of S source and T target tokens: S^2 in each
+    encoder layer's self-attention; T (T + 1) / 2 in each decoder layer's masked
+    self-attention (a position attends to itself and those before it); T S in each
+    encoder-decoder attention.
+    """
+    per_source_token = 6 * weight_matrix_parameters(model.encoder)
+    per_target_token = 6 * (
+        weight_matrix_parameters(model.decoder) + weight_matrix_parameters(model.generator)
+    )
+    per_pair = 12 * settings.d_model * settings.N  # all N layers of one stack
+    flops = 0
+    for batch in batches:
+        S = (batch.src != pad_id).sum(dim=1)  # (B,) real source tokens with <s> and </s>
+        T = (batch.tgt_out != pad_id).sum(dim=1)  # (B,) real target tokens predicted
+        flops += per_source_token * int(S.sum()) + per_target_token * int(T.sum())
+        pairs = S * S + T * (T + 1) // 2 + T * S  # (B,) encoder, decoder, encoder-decoder
+        flops += per_pair * int(pairs.sum())
+    return float(flops)
+
+
+def matmul_throughput(device: torch.device, precision: str) -> dict:
+    """FLOPs per second of one large square product in the training precision, best time.
+
+    This is the machine's practical ceiling for the model's products: on a CPU, its vector
+    or matrix units (AMX for bf16 where the CPU has them) on all of torch's threads.
+    """
+    n = MATMUL_SIZE[device.type]
+    a, b = (torch.randn(n, n, device=device, dtype=DTYPES[precision]) for _ in range(2))
+    times = [timed(device, lambda: torch.mm(a, b))[0]]  # the first one only warms up
+    while len(times) <= MATMUL_REPEATS and (len(times) < 2 or sum(times) < MATMUL_SECONDS):
+        times.append(timed(device, lambda: torch.mm(a, b))[0])
+    best = min(times[1:])
+    return {"size": n, "precision": precision, "best_seconds": best, "flops": 2 * n**3}
+
+
+def utilisation(models: dict, matmul: dict) -> dict:
+    """Model FLOPs per second of our training step and of PyTorch's, and their MFU."""
+    peak = matmul["flops"] / matmul["best_seconds"]
+    ours = models["model_flops_per_step"] / models["ours_step_seconds"]
+    pytorch = models["model_flops_per_step"] / models["pytorch_step_seconds"]
+    return {
+        "model_flops_per_second": ours,
+        "matmul_flops_per_second": peak,
+        "mfu": ours / peak,
+        "pytorch_mfu": pytorch / peak,
+        "matmul": matmul,
+        "how": "model FLOPs: 6 per weight-matrix entry per real token (encoder: source "
+        "tokens; decoder and generator: target tokens) plus 12 d_model per query-key pair "
+        "of real tokens in each attention layer (masked self-attention: the causal half); "
+        "forward and backward. Divided by the FLOPs per second of one large torch.mm in the "
+        "same precision, measured in the same run",
     }
 
 
@@ -297,8 +423,12 @@ def reference_collate(text_pairs, tokenizers: dict, vocabs: dict) -> at.Batch:
     return at.Batch(sides[0], sides[1], vocabs["en"].pad_id)
 
 
-def run_reference(text_pairs, training, tokenizers, settings, vocabs) -> at.TrainState:
-    """One pass of the reference loop over raw text; returns what it counted."""
+def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precision: str):
+    """One pass of the reference loop over raw text; returns what it counted.
+
+    It keeps the reference's recipe (no gradient clipping) but runs in our precision, so
+    that the comparison is one of pipelines, not of number formats.
+    """
     model, optimizer, schedule = training
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(
@@ -320,12 +450,14 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs) -> at.Trai
         schedule=schedule,
         state=state,
         accum_iter=REFERENCE["accum_iter"],
+        autocast=at.autocast_for(device, precision),
     )
     return state
 
 
-def run_ours(pairs, training, settings, vocabs) -> at.TrainState:
-    """One pass of our pipeline and loop over cached ids; returns what it counted."""
+def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainState:
+    """One pass of our pipeline and loop over cached ids, as a run trains; returns what it
+    counted."""
     model, optimizer, schedule = training
     device, pad_id = next(model.parameters()).device, vocabs["en"].pad_id
     criterion = at.FastLabelSmoothing(len(vocabs["en"]), pad_id, settings.label_smoothing)
@@ -340,23 +472,33 @@ def run_ours(pairs, training, settings, vocabs) -> at.TrainState:
         schedule=schedule,
         state=state,
         accum_iter=settings.accum_iter,
-        autocast=at.autocast_for(device, PRECISION[device.type]),
+        clip_norm=settings.clip_norm,
+        autocast=at.autocast_for(device, precision),
     )
     return state
 
 
-def compare_pipelines(settings, race: dict, tokenizers, vocabs, device, repeats: int) -> dict:
+def compare_pipelines(settings, race, tokenizers, vocabs, device, *, repeats, precision) -> dict:
     """Target tokens per second of both pipelines on the same pairs, runs interleaved.
 
-    Every run trains a fresh model (same seed), built before the clock starts.
+    Both train in `precision`. Every run trains a fresh model (same seed), built before
+    the clock starts.
     """
 
     def run(name: str, part: str) -> tuple[float, at.TrainState]:
         training = fresh_training(settings, lambda: at.model_for(settings, vocabs), device)
         if name == "ours":
-            return timed(device, lambda: run_ours(race[part]["ids"], training, settings, vocabs))
+            pairs = race[part]["ids"]
+            return timed(
+                device, lambda: run_ours(pairs, training, settings, vocabs, precision=precision)
+            )
         text = race[part]["text"]
-        return timed(device, lambda: run_reference(text, training, tokenizers, settings, vocabs))
+        return timed(
+            device,
+            lambda: run_reference(
+                text, training, tokenizers, settings, vocabs, precision=precision
+            ),
+        )
 
     names = ("ours", "reference")
     for name in names:
@@ -379,7 +521,8 @@ def compare_pipelines(settings, race: dict, tokenizers, vocabs, device, repeats:
         for name in names
     }
     result["ours"]["accum_iter"] = settings.accum_iter
-    result["reference"].update(REFERENCE, fp32=True, loss="LabelSmoothing (dense KL)")
+    result["reference"].update(REFERENCE, loss="LabelSmoothing (dense KL)", clip_norm=None)
+    result["precision"] = precision
     ours, reference = (result[name]["tokens_per_second"] for name in names)
     result["speedup"] = ours / reference
     return result
@@ -414,7 +557,9 @@ def timed_translate(model, sources, vocabs, device, **options):
 
 
 def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
-    """Greedy and beam decoding of the test split, cached against plain recomputation."""
+    """Greedy and beam decoding of the test split as `make run` decodes it (its own
+    at.evaluate_test, which also scores BLEU), and cached against plain recomputation
+    with the same keywords: the preset's beam size and length penalty."""
     loaded = at.load_final(settings, data, data_dir, device)
     if loaded is None:
         return {
@@ -424,33 +569,49 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     model = loaded[0].eval()
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
-    beam = {"beam_size": settings.beam_size, "alpha": settings.length_penalty}
+    alpha = settings.length_penalty
+    greedy = {"beam_size": 1, "alpha": alpha}  # evaluate_test's two calls
+    beam = {"beam_size": settings.beam_size, "alpha": alpha}
     for cached in (True, False):  # warm-up
-        at.translate(model, sources[:8], vocabs, cached=cached)
+        at.translate(model, sources[:8], vocabs, cached=cached, **greedy)
         at.translate(model, sources[:8], vocabs, cached=cached, **beam)
-    greedy_plain, greedy_plain_out = timed_translate(model, sources, vocabs, device, cached=False)
-    greedy, greedy_out = timed_translate(model, sources, vocabs, device, cached=True)
+    run = at.evaluate_test(model, data, settings)  # greedy, then beam: timed and scored
+    greedy_plain, greedy_plain_out = timed_translate(
+        model, sources, vocabs, device, cached=False, **greedy
+    )
+    greedy_cached, greedy_out = timed_translate(
+        model, sources, vocabs, device, cached=True, **greedy
+    )
     plain_first, plain_first_out = timed_translate(
         model, first, vocabs, device, cached=False, **beam
     )
     cached_first, cached_first_out = timed_translate(
         model, first, vocabs, device, cached=True, **beam
     )
-    beam_all, _ = timed_translate(model, sources, vocabs, device, cached=True, **beam)
+    same = {
+        "greedy": sum(a == b for a, b in zip(greedy_out, greedy_plain_out, strict=True)),
+        "beam": sum(a == b for a, b in zip(cached_first_out, plain_first_out, strict=True)),
+    }
     return {
         "sentences": len(sources),
         "beam_size": settings.beam_size,
-        "alpha": settings.length_penalty,
-        "greedy_seconds": greedy,
+        "alpha": alpha,
+        "greedy_seconds": run["greedy_seconds"],
+        "beam_seconds": run["beam_seconds"],
+        "test2016_bleu_greedy": run["test2016_bleu_greedy"],
+        "test2016_bleu_beam": run["test2016_bleu_beam"],
+        "bleu_signature": run["bleu_signature"],
+        "greedy_cached_seconds": greedy_cached,
         "greedy_plain_seconds": greedy_plain,
-        "greedy_speedup": greedy_plain / greedy,
-        "greedy_identical": greedy_out == greedy_plain_out,
-        "beam_seconds": beam_all,
+        "greedy_speedup": greedy_plain / greedy_cached,
+        "greedy_same_sentences": same["greedy"],
+        "greedy_identical": same["greedy"] == len(sources),
         "beam_first_sentences": len(first),
         "beam_first_seconds": cached_first,
         "beam_first_plain_seconds": plain_first,
         "beam_speedup": plain_first / cached_first,
-        "beam_identical": cached_first_out == plain_first_out,
+        "beam_same_sentences": same["beam"],
+        "beam_identical": same["beam"] == len(first),
     }
 
 
@@ -458,10 +619,12 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
 
 
 def peak_memory(device: torch.device) -> dict:
-    """Peak resident memory of this process, and peak CUDA memory allocated if any."""
-    memory = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    """Peak resident memory of this process, and peak CUDA memory allocated if any, in MB
+    (10^6 bytes); the resident figure is None where the system cannot say (Windows)."""
+    resident = peak_memory_gb()
+    memory = {"peak_rss_mb": None if resident is None else resident * 1e3}
     if device.type == "cuda":
-        memory["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        memory["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 1e6
     return memory
 
 
@@ -510,11 +673,20 @@ def row(figure: str, value: str, goal: str = "", met: bool | None = None) -> tup
     return figure, value, goal, met
 
 
+MFU_MEANING = (
+    "MFU: the share of this machine's own matrix-multiply speed (same precision) that "
+    "training turns into the model's arithmetic; far below 100%, more speed can still come "
+    "from the code (larger products, fewer small operations), near 100% only from the hardware."
+)
+
+
 def goal_rows(report: dict, device: torch.device) -> list[tuple]:
     """The table's rows: each figure, and its goal where one exists."""
     models, pipes, pad = report["model_vs_pytorch"], report["pipeline"], report["padding"]
-    ratio, speedup = models["ratio"], pipes["speedup"]
+    ratio, speedup, util = models["ratio"], pipes["speedup"], report["utilisation"]
+    precision, matmul = report["precision"], report["utilisation"]["matmul"]
     rows = [
+        row("training precision", f"{precision} ({precision_source(report)})"),
         row("step, ours", f"{models['ours_step_seconds']:.4f} s"),
         row("step, torch.nn.Transformer", f"{models['pytorch_step_seconds']:.4f} s"),
         row("step ratio ours / PyTorch", f"{ratio:.3f}", "<= 1.10", ratio <= 1.10),
@@ -527,6 +699,14 @@ def goal_rows(report: dict, device: torch.device) -> list[tuple]:
             if "compiled_ratio" in models
             else []
         ),
+        row(
+            "model FLOP/s in a training step, ours", f"{util['model_flops_per_second'] / 1e9:.1f} G"
+        ),
+        row(
+            f"matmul FLOP/s, {matmul['size']}x{matmul['size']} {matmul['precision']}",
+            f"{util['matmul_flops_per_second'] / 1e9:.1f} G",
+        ),
+        row("MFU, ours (PyTorch's)", f"{util['mfu']:.1%} ({util['pytorch_mfu']:.1%})"),
         row("pipeline, ours", f"{pipes['ours']['tokens_per_second']:,.0f} tok/s"),
         row("pipeline, reference", f"{pipes['reference']['tokens_per_second']:,.0f} tok/s"),
         row(
@@ -542,23 +722,38 @@ def goal_rows(report: dict, device: torch.device) -> list[tuple]:
         rows.append(row("decoding", "skipped"))
     else:
         rows += decoding_rows(report["decoding"])
-    return [*rows, row("peak memory", f"{report['peak_memory_mb']:,.0f} MB")]
+    memory = report["peak_memory_mb"]
+    return [*rows, row("peak memory", "unknown" if memory is None else f"{memory:,.0f} MB")]
+
+
+def precision_source(report: dict) -> str:
+    """Where the training precision came from, in a few words."""
+    return "--precision" if report["precision_forced"] else "as make run picks it"
 
 
 def decoding_rows(dec: dict) -> list[tuple]:
     """Rows of the decoding figures; the goals are for all 1,000 test2016 sentences."""
     n, k, first = dec["sentences"], dec["beam_size"], dec["beam_first_sentences"]
-    greedy, beam = dec["greedy_seconds"], dec["beam_seconds"]
+    greedy, beam, alpha = dec["greedy_seconds"], dec["beam_seconds"], dec["alpha"]
     full = n == 1000
     return [
         row(f"greedy, {n} sentences", f"{greedy:.1f} s", "<= 10 s", greedy <= 10 if full else None),
         row(f"greedy uncached, {n} sentences", f"{dec['greedy_plain_seconds']:.1f} s"),
-        row(f"beam {k}, {n} sentences", f"{beam:.1f} s", "<= 60 s", beam <= 60 if full else None),
+        row(
+            f"beam {k} (alpha {alpha:g}), {n} sentences",
+            f"{beam:.1f} s",
+            "<= 60 s",
+            beam <= 60 if full else None,
+        ),
         row(f"beam {k} uncached, first {first}", f"{dec['beam_first_plain_seconds']:.1f} s"),
         row(f"beam {k} cached, first {first}", f"{dec['beam_first_seconds']:.1f} s"),
         row(
-            "cached output = uncached",
-            f"greedy {dec['greedy_identical']}, beam {dec['beam_identical']}",
+            "cached output = uncached (sentences)",
+            f"greedy {dec['greedy_same_sentences']}/{n}, beam {dec['beam_same_sentences']}/{first}",
+        ),
+        row(
+            "test2016 BLEU, greedy / beam",
+            f"{dec['test2016_bleu_greedy']:.1f} / {dec['test2016_bleu_beam']:.1f}",
         ),
     ]
 
@@ -572,8 +767,8 @@ def table(rows: list[tuple]) -> str:
 
 
 def summary(report: dict) -> dict:
-    """The headline figures that DESIGN.md lists, at the top of bench.json."""
-    dec = report["decoding"]
+    """The headline figures (the `build/bench.json` contract's, then the MFU's), at the top."""
+    dec, util = report["decoding"], report["utilisation"]
     return {
         "model_vs_pytorch_step_ratio": report["model_vs_pytorch"]["ratio"],
         "pipeline_speedup_vs_reference_loop": report["pipeline"]["speedup"],
@@ -582,6 +777,28 @@ def summary(report: dict) -> dict:
         "greedy_test2016_seconds": dec.get("greedy_seconds"),
         "beam4_test2016_seconds": dec.get("beam_seconds"),
         "peak_memory_mb": report["peak_memory_mb"],
+        "precision": report["precision"],
+        "model_flops_per_second": util["model_flops_per_second"],
+        "matmul_flops_per_second": util["matmul_flops_per_second"],
+        "mfu": util["mfu"],
+    }
+
+
+def training_precision(args, settings, data, device) -> dict:
+    """The precision of every training figure: --precision, else what a run would pick."""
+    if args.precision:
+        return {
+            "precision": args.precision,
+            "precision_forced": True,
+            "precision_calibration": None,
+        }
+    chosen = calibrate_precision(settings, data, device)
+    if chosen["calibration"]:
+        print(chosen["calibration"])
+    return {
+        "precision": chosen["precision"],
+        "precision_forced": False,
+        "precision_calibration": chosen["calibration"],
     }
 
 
@@ -596,14 +813,29 @@ def main(argv=None) -> None:
     data = at.prepare_data(settings, args.data_dir)
     text, tokens = training_text(data, args.data_dir, tokenizers)
     report = {"preset": settings.name, "device": str(device)}
-    print("1/4 training step: our model against torch.nn.Transformer")
+    report |= training_precision(args, settings, data, device)
+    precision = report["precision"]
+    print(f"1/4 training step in {precision}: our model against torch.nn.Transformer")
+    matmul_before = matmul_throughput(device, precision)
     report["model_vs_pytorch"] = compare_models(
-        settings, data, device, sizes, args.repeats, compile_too=args.compile
+        settings,
+        data,
+        device,
+        sizes,
+        repeats=args.repeats,
+        precision=precision,
+        compile_too=args.compile,
     )
-    print("2/4 pipeline: ours against the reference loop")
+    # the machine's limit, timed before and after the steps; the faster of the two, in
+    # case something else used the cores for a moment
+    matmul = min(
+        matmul_before, matmul_throughput(device, precision), key=lambda m: m["best_seconds"]
+    )
+    report["utilisation"] = utilisation(report["model_vs_pytorch"], matmul)
+    print(f"2/4 pipeline in {precision}: ours against the reference loop")
     race = race_pairs(settings, text, tokens, data.vocabs, sizes)
     report["pipeline"] = compare_pipelines(
-        settings, race, tokenizers, data.vocabs, device, args.repeats
+        settings, race, tokenizers, data.vocabs, device, repeats=args.repeats, precision=precision
     )
     print("3/4 padding efficiency")
     report["padding"] = compare_padding(settings, data, tokens)
@@ -618,6 +850,7 @@ def main(argv=None) -> None:
     report = summary(report) | report
     at.write_atomically(args.out, json.dumps(report, indent=2).encode())
     print(table(goal_rows(report, device)))
+    print(MFU_MEANING)
     print(f"wrote {args.out}")
 
 
