@@ -8,12 +8,13 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from plumbing import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
@@ -32,12 +33,6 @@ CHROMIUM_FLAGS = [
 CHART = ".jp-OutputArea-output svg.marks, .jp-OutputArea-output canvas.marks"
 # An output that shows an exception (a traceback).
 ERROR_OUTPUT = "[data-mime-type='application/vnd.jupyter.error']"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

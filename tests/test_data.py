@@ -211,7 +211,7 @@ def real_train(tmp_path_factory):
     tokens = at.cached_tokens("train", text, at.make_tokenizers(), at.DATA_DIR)
     vocabs = at.vocabularies(tokens, settings.min_freq, tmp_path_factory.mktemp("vocab"))
     mp.undo()
-    return settings, vocabs, at.encode_pairs(tokens, vocabs, settings.max_len)
+    return settings, vocabs, at.encode_pairs(tokens, vocabs, settings.max_train_len)
 
 
 def test_vocabulary_comes_from_training_data_only(real_train):
@@ -256,7 +256,7 @@ def test_collated_masks(real_train):
 def test_long_sentences_are_dropped_with_a_count(capsys):
     vocabs = {lang: at.build_vocab([["a"]], min_freq=1) for lang in ("de", "en")}
     tokens = {"de": [["a"], ["a"] * 10], "en": [["a"], ["a"]]}
-    pairs = at.encode_pairs(tokens, vocabs, max_len=5)
+    pairs = at.encode_pairs(tokens, vocabs, max_train_len=5)
     assert len(pairs) == 1 and "dropped 1 of 2 pairs longer than 5" in capsys.readouterr().out
 
 

@@ -48,11 +48,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Importing the notebook's twin runs its small demonstration cells, which print; the
-# benchmark's own output is easier to read without them.
-with contextlib.redirect_stdout(io.StringIO()):
-    import annotated_transformer as at
-from plumbing import peak_memory_gb
+import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +223,11 @@ def train_round(training, criterion, batches, settings: at.Settings, precision: 
             batches,
             model,
             criterion,
-            optimizer=optimizer,
-            schedule=schedule,
-            clip_norm=settings.clip_norm,
-            autocast=at.autocast_for(device, precision),
+            optimizer,
+            schedule,
+            extras=at.LoopExtras(
+                clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision)
+            ),
         )
 
     seconds, _ = timed(device, steps)
@@ -388,10 +386,10 @@ def training_text(data: at.Multi30k, data_dir: Path, tokenizers: dict):
 def race_pairs(settings, text, tokens, vocabs, sizes: Sizes) -> dict:
     """The same pairs for both pipelines, as raw text and as ids: warm-up and timed.
 
-    Pairs are drawn in a seeded random order, skipping any longer than our max_len or
+    Pairs are drawn in a seeded random order, skipping any longer than our max_train_len or
     the reference's 72 tokens, so that neither pipeline drops or cuts a token of them.
     """
-    limit = min(settings.max_len, REFERENCE["max_padding"])
+    limit = min(settings.max_train_len, REFERENCE["max_padding"])
     order = torch.randperm(len(text), generator=torch.Generator().manual_seed(settings.seed))
     fits = [
         i for i in order.tolist() if max(len(tokens["de"][i]), len(tokens["en"][i])) + 2 <= limit
@@ -446,11 +444,11 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precisi
         [batch.to(device) for batch in loader],
         model,
         criterion,
-        optimizer=optimizer,
-        schedule=schedule,
+        optimizer,
+        schedule,
         state=state,
         accum_iter=REFERENCE["accum_iter"],
-        autocast=at.autocast_for(device, precision),
+        extras=at.LoopExtras(autocast=at.autocast_for(device, precision)),
     )
     return state
 
@@ -468,12 +466,13 @@ def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainSt
         batches,
         model,
         criterion,
-        optimizer=optimizer,
-        schedule=schedule,
+        optimizer,
+        schedule,
         state=state,
         accum_iter=settings.accum_iter,
-        clip_norm=settings.clip_norm,
-        autocast=at.autocast_for(device, precision),
+        extras=at.LoopExtras(
+            clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision)
+        ),
     )
     return state
 
@@ -543,7 +542,7 @@ def compare_padding(settings, data: at.Multi30k, tokens: dict) -> dict:
         "ours_pairs": len(data.train),
         "reference_pairs": len(tokens["de"]),
         "how": "tokens counted with <s> and </s>. Ours: the bucketed batches of epoch 0 "
-        f"over the training pairs kept by max_len={settings.max_len}. Reference: every "
+        f"over the training pairs kept by max_train_len={settings.max_train_len}. Reference: every "
         f"training pair, each side cut to {width} tokens and padded to {width}",
     }
 
@@ -808,6 +807,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings, device = at.get_settings(args.preset), at.pick_device()
+    prepare_cpu_memory()  # as `make run` does before training (plumbing.py says why)
     sizes, tokenizers = SIZES[settings.name], at.make_tokenizers()
     print(f"bench: preset {settings.name!r} on {device}, {args.repeats} repeats")
     data = at.prepare_data(settings, args.data_dir)

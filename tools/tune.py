@@ -14,7 +14,6 @@ the tool for choosing settings.
 import argparse
 import contextlib
 import dataclasses
-import io
 import json
 import sys
 import time
@@ -26,9 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-with contextlib.redirect_stdout(io.StringIO()):
-    import annotated_transformer as at
-
+import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+from plumbing import prepare_cpu_memory  # noqa: E402
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
@@ -69,6 +67,7 @@ def main() -> None:
     changes = dict(parse_change(c) for c in args.changes)
     label = args.label or ("-".join(f"{k}={v}" for k, v in changes.items()) or "cpu")
     settings = dataclasses.replace(at.get_settings("cpu"), name=f"tune-{label}", **changes)
+    prepare_cpu_memory()  # as the notebook does before training (plumbing.py says why)
     data = at.prepare_data(settings, at.DATA_DIR)
     start = time.perf_counter()
     model, history = at.train_model(settings, data, at.DATA_DIR / "tune")
