@@ -83,6 +83,7 @@ def one_sgd_step(grads: list[torch.Tensor], clip_norm) -> torch.Tensor:
     return torch.cat([p.detach() for p in params])  # the update, since they started at 0
 
 
+@pytest.mark.numerics
 def test_clipping_scales_all_gradients_together_to_the_norm():
     grads = [torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0, 0.0])]  # norm 5 together
     update = one_sgd_step(grads, clip_norm=1.0)
@@ -121,7 +122,7 @@ def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
     model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.5)
     before = torch.get_rng_state()
     pays, fp32, bf16 = at.bf16_pays_off(model, tiny_batch(), at.LabelSmoothing(11, 0), repeats=1)
-    assert isinstance(pays, bool) and fp32 > 0 and bf16 > 0
+    assert fp32 > 0 and bf16 > 0 and pays == (fp32 > 1.2 * bf16)  # the default margin
     assert torch.equal(before, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
 
@@ -163,9 +164,19 @@ def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
     assert not torch.equal(saved[0]["generator.proj.weight"], saved[1]["generator.proj.weight"])
     for name, value in model.state_dict().items():
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
+    # each recorded validation score is that of the weights it names: scored again here,
+    # on the same path and machine, they come out to the last bit
+    pad = data.vocabs["en"].pad_id
+    criterion = at.FastLabelSmoothing(len(data.vocabs["en"]), pad, settings.label_smoothing)
+    val = at.bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
+    val = [at.collate(data.val, b, pad) for b in val]
     averaged = history[-1]["averaged"]
-    assert averaged["epochs"] == [1, 2] and 0 <= averaged["val_bleu"] <= 100
-    assert all(0 <= h["val_bleu"] <= 100 for h in history)
+    assert averaged["epochs"] == [1, 2]
+    assert averaged["val_loss"] == at.run_epoch(val, model, criterion)
+    assert averaged["val_bleu"] == at.validation_bleu(model, data)
+    model.load_state_dict(saved[1])
+    assert history[-1]["val_loss"] == at.run_epoch(val, model, criterion)
+    assert history[-1]["val_loss"] != averaged["val_loss"]
 
 
 # --- beam search on a scripted model -----------------------------------------------------
@@ -296,5 +307,7 @@ def test_translate_never_writes_unk_unless_allowed(data):
         assert all(tokens and set(tokens) == {"<unk>"} for tokens in allowed)
         banned = at.translate(model, sources, data.vocabs, beam_size=beam)
         assert all("<unk>" not in tokens for tokens in banned)
+        # the ban works on both decoders (their words are not compared: an untrained
+        # model's near ties may round one way on one and the other way on the other)
         plain = at.translate(model, sources, data.vocabs, beam_size=beam, cached=False)
-        assert plain == banned  # the ban works the same on both decoders
+        assert all(tokens and "<unk>" not in tokens for tokens in plain)

@@ -48,12 +48,36 @@ def test_shards_are_disjoint_equal_and_cover_every_pair(world_size):
         assert covered == list(range(len(pairs)))  # each pair once, none twice
 
 
+ADAM = at.make_optimizer  # the notebook's, kept before sgd_rank replaces it in a rank
+
+
+def sgd_with_the_schedule(model, settings, fused=False, ranks=1, total_steps=None):
+    """make_optimizer with plain SGD in place of Adam: the same learning-rate schedule.
+
+    SGD moves each weight by lr times its gradient, so two trainings whose gradients
+    differ by rounding end with weights that differ by rounding. Adam divides each
+    update by the gradient's own running size: a weight whose true gradient is zero (an
+    embedding row no batch holds, the key projection's bias) gets rounding noise
+    blown up into a full step of size lr, whose sign depends on the CPU's kernels.
+    """
+    _, schedule = ADAM(model, settings, fused, ranks, total_steps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
+
+
+def sgd_rank(rank: int, world_size: int, fields: dict, data_dir: str, port: int) -> None:
+    """at.ddp_worker, training with sgd_with_the_schedule (a spawned process's own copy
+    of the notebook is patched, nothing in the test process)."""
+    at.make_optimizer = sgd_with_the_schedule
+    at.ddp_worker(rank, world_size, fields, data_dir, port)
+
+
 def reference_training(settings, data, world_size):
     """One process, no accumulation: each optimizer step sees, padded into one batch, all
     the pairs that the ranks' micro-batches of that step hold together."""
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs)
-    optimizer, schedule = at.make_optimizer(model, settings, ranks=world_size)
+    optimizer, schedule = sgd_with_the_schedule(model, settings, ranks=world_size)
     pad = data.vocabs["en"].pad_id
     criterion = at.FastLabelSmoothing(len(data.vocabs["en"]), pad, settings.label_smoothing)
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
@@ -81,22 +105,28 @@ def test_the_ranks_shards_hold_different_numbers_of_tokens(tmp_path):
     assert sum(a != b for a, b in zip(*counts, strict=True)) >= len(counts[0]) // 2
 
 
+@pytest.mark.numerics
 def test_two_ranks_equal_one_process_on_the_union(tmp_path):
-    data = at.prepare_data(TINY, tmp_path)
-    at.train_distributed(TINY, world_size=2, data_dir=tmp_path)
-    final = torch.load(at.checkpoint_dir(TINY, tmp_path) / "final.pt", weights_only=True)
-    reference = reference_training(TINY, data, world_size=2).state_dict()
+    """2 gloo ranks with unequal token counts take the SGD steps of one process that sees
+    each step's batches padded into one. SGD, not the notebook's Adam: see
+    sgd_with_the_schedule. The ranks' path and the reference's round differently (other
+    batch shapes, an all-reduce), so every weight may differ by rounding, no more."""
+    settings = dataclasses.replace(TINY, lr_factor=10.0)  # SGD steps of a visible size
+    data = at.prepare_data(settings, tmp_path)
+    args = (2, dataclasses.asdict(settings), str(tmp_path), at.free_port())
+    torch.multiprocessing.spawn(sgd_rank, args=args, nprocs=2, join=True)
+    final = torch.load(at.checkpoint_dir(settings, tmp_path) / "final.pt", weights_only=True)
+    assert len(final["history"]) == settings.epochs
+    reference = reference_training(settings, data, world_size=2).state_dict()
+    at.set_seed(settings.seed)
+    start = at.model_for(settings, data.vocabs).state_dict()
     assert final["model"].keys() == reference.keys()
-    # The key bias shifts every score of a row equally, which softmax cancels: its true
-    # gradient is 0 and what backward returns is rounding noise, which Adam (dividing by
-    # the gradient's own size) turns into updates of full size. Every other weight must match.
-    checked = [name for name in reference if not name.endswith("w_k.bias")]
-    assert len(checked) > 20
-    different = [
-        n for n in checked if not torch.allclose(final["model"][n], reference[n], atol=1e-5)
-    ]
-    assert different == []
-    assert len(final["history"]) == TINY.epochs
+    moved = max((reference[n] - start[n]).abs().max().item() for n in reference)
+    worst = max((final["model"][n] - reference[n]).abs().max().item() for n in reference)
+    # Rounding leaves weights of size ~1 some 1e-7 apart (measured: 1.2e-7). Averaging the
+    # ranks' own means instead of dividing by the step's tokens lands 4e-3 away.
+    assert moved > 1e-2, "training must move the weights for the equality to mean anything"
+    assert worst < 1e-5, f"largest difference {worst:.2e} (largest change {moved:.2e})"
 
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path):

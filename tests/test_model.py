@@ -20,20 +20,6 @@ def lengths_to_mask(lengths, size):
     return torch.arange(size).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
 
 
-def causal(size):
-    """(size, size) boolean mask, True where query i may see key j <= i."""
-    return torch.ones(size, size, dtype=torch.bool).tril()
-
-
-@torch.no_grad()
-def copy_attention(ours: at.MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
-    """Copy our W^Q, W^K, W^V and W^O into PyTorch's packed in_proj and out_proj."""
-    ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
-    ref.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
-    ref.out_proj.weight.copy_(ours.w_o.weight)
-    ref.out_proj.bias.copy_(ours.w_o.bias)
-
-
 @torch.no_grad()
 def randomise_norms(module: nn.Module) -> None:
     """Give every LayerNorm non-default weights, so a swapped norm would be noticed."""
@@ -56,6 +42,7 @@ def random_qkv(t_q=T, t_k=T):
     )
 
 
+@pytest.mark.numerics
 def test_attention_without_mask_equals_sdpa():
     """No mask: the same output as PyTorch's fused kernel, and weights that sum to 1."""
     q, k, v = random_qkv(t_q=3, t_k=T)
@@ -65,12 +52,13 @@ def test_attention_without_mask_equals_sdpa():
     assert torch.allclose(weights.sum(-1), torch.ones(B, H, 3))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "mask",
     [
-        causal(T),  # (T, T), broadcast over batch and heads
+        at.causal_mask(T),  # (1, T, T), broadcast over batch and heads
         lengths_to_mask([3, 5], T)[:, None, None, :],  # (B, 1, 1, T) key padding
-        lengths_to_mask([2, 4], T)[:, None, None, :] & causal(T),  # both at once
+        lengths_to_mask([2, 4], T)[:, None, None, :] & at.causal_mask(T),  # both at once
     ],
     ids=["causal", "padding", "causal-and-padding"],
 )
@@ -92,23 +80,26 @@ D_MODEL, HEADS = 16, 4
 def mha_pair(use_sdpa):
     ours = at.MultiHeadAttention(HEADS, D_MODEL, 0.0, use_sdpa).eval()
     ref = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
-    copy_attention(ours, ref)
+    at.copy_into_pytorch(ours, ref)
     return ours, ref
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("use_sdpa", [False, True])
 def test_multi_head_self_attention_equals_pytorch(use_sdpa):
     """Self-attention with a causal mask and a key padding mask, as in the decoder."""
     ours, ref = mha_pair(use_sdpa)
     x = torch.randn(2, 6, D_MODEL)
     keep = lengths_to_mask([4, 6], 6)  # (B, T)
-    mask = keep.unsqueeze(1) & causal(6)  # (B, T, T): our convention
+    mask = keep.unsqueeze(1) & at.causal_mask(6)  # (B, T, T): our convention
     out = ours(query=x, key=x, value=x, mask=mask)
-    expected, _ = ref(x, x, x, attn_mask=~causal(6), key_padding_mask=~keep, need_weights=False)
+    future = ~at.causal_mask(6)[0]  # (T, T): PyTorch's attn_mask has no batch dimension
+    expected, _ = ref(x, x, x, attn_mask=future, key_padding_mask=~keep, need_weights=False)
     assert out.shape == (2, 6, D_MODEL)
     assert torch.allclose(out, expected, atol=ATOL)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("use_sdpa", [False, True])
 def test_multi_head_cross_attention_equals_pytorch(use_sdpa):
     """Queries and keys of different lengths, with a (B, 1, T_k) key padding mask."""
@@ -134,6 +125,7 @@ def test_multi_head_attention_rejects_indivisible_width():
 D_FF = 32
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
 def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
@@ -143,7 +135,7 @@ def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
     randomise_norms(ours)
-    copy_attention(ours.self_attn, ref.self_attn)
+    at.copy_into_pytorch(ours.self_attn, ref.self_attn)
     ref.linear1.load_state_dict(ours.feed_forward.linear1.state_dict())
     ref.linear2.load_state_dict(ours.feed_forward.linear2.state_dict())
     ref.norm1.load_state_dict(ours.attn_sublayer.norm.state_dict())
@@ -162,6 +154,7 @@ def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
         assert torch.allclose(out, expected, atol=ATOL), f"grad enabled: {grad}"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
 def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
@@ -171,8 +164,8 @@ def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
     randomise_norms(ours)
-    copy_attention(ours.self_attn, ref.self_attn)
-    copy_attention(ours.cross_attn, ref.multihead_attn)
+    at.copy_into_pytorch(ours.self_attn, ref.self_attn)
+    at.copy_into_pytorch(ours.cross_attn, ref.multihead_attn)
     ref.linear1.load_state_dict(ours.feed_forward.linear1.state_dict())
     ref.linear2.load_state_dict(ours.feed_forward.linear2.state_dict())
     ref.norm1.load_state_dict(ours.self_sublayer.norm.state_dict())
@@ -183,12 +176,12 @@ def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
     x, memory = torch.randn(2, 4, D_MODEL), torch.randn(2, 6, D_MODEL)
     src_keep = lengths_to_mask([6, 3], 6)  # (B, S)
     tgt_keep = lengths_to_mask([2, 4], 4)  # (B, T)
-    tgt_mask = tgt_keep.unsqueeze(1) & causal(4)  # (B, T, T)
+    tgt_mask = tgt_keep.unsqueeze(1) & at.causal_mask(4)  # (B, T, T)
     out = ours(x, memory, src_keep.unsqueeze(1), tgt_mask)
     expected = ref(
         x,
         memory,
-        tgt_mask=~causal(4),
+        tgt_mask=~at.causal_mask(4)[0],  # (T, T)
         memory_key_padding_mask=~src_keep,
         tgt_key_padding_mask=~tgt_keep,
     )
@@ -217,6 +210,7 @@ def test_make_model_rejects_indivisible_width():
     assert "h=4" in str(error.value)
 
 
+@pytest.mark.numerics
 def test_small_model_output_shape_and_generator_distribution():
     """Decoder states are (B, T, d_model); the generator gives log-probs summing to 1."""
     model = at.make_model(SRC_V, TGT_V, **SMALL).eval()
@@ -239,6 +233,7 @@ def test_tie_output_shares_the_target_embedding():
     assert at.count_parameters(untied) - at.count_parameters(tied) == shared
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
 def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
     """The use_sdpa switch changes the kernel, not the function the model computes."""

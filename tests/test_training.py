@@ -78,6 +78,7 @@ def reference_label_smoothing(log_probs, target, vocab_size, pad_id, eps):
     return total
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
 def test_label_smoothing_equals_kl_from_the_definition(eps):
     """The module's loss equals cross-entropy minus entropy of the smoothed target."""
@@ -89,6 +90,7 @@ def test_label_smoothing_equals_kl_from_the_definition(eps):
     assert math.isclose(criterion(log_probs, target).item(), expected, rel_tol=1e-5)
 
 
+@pytest.mark.numerics
 def test_label_smoothing_is_zero_for_a_perfect_prediction():
     """Predicting exactly the smoothed target costs nothing (the entropy term's job)."""
     criterion = at.LabelSmoothing(vocab_size=6, pad_id=PAD, smoothing=0.2)
@@ -177,18 +179,6 @@ def sgd(model, lr=0.5):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
-def adam(model):
-    # The key projection's bias shifts every score of a row by the same amount, which the
-    # softmax cancels: its true gradient is 0 and what backward returns is round-off.
-    # Adam divides by the gradient's own size and would turn that noise into a full step,
-    # so leave those biases out of the comparison by freezing them.
-    for name, p in model.named_parameters():
-        if name.endswith("w_k.bias"):
-            p.requires_grad_(False)
-    settings = at.Settings(name="t", d_model=TINY["d_model"], warmup=1, lr_factor=0.1)
-    return at.make_optimizer(model, settings)
-
-
 def train(model, batches, make_opt, accum_iter):
     optimizer, schedule = make_opt(model)
     state = at.TrainState()
@@ -215,14 +205,22 @@ def largest_change(before, after):
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
-@pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd", "adam"])
-def test_accumulated_micro_batches_equal_one_big_batch(make_opt):
+# The comparisons of two trainings below take SGD steps, which are linear in the gradients:
+# two ways of computing the same gradient (micro-batches or one batch) round differently,
+# and SGD moves the weights by lr times that rounding, a few 1e-8 here. Adam would not do:
+# it divides each update by the gradient's own running size, so a weight whose true
+# gradient is 0 (the key projection's bias, which softmax cancels) gets its rounding noise
+# blown up into a full step of size lr, in a direction that depends on the CPU's kernels.
+
+
+@pytest.mark.numerics
+def test_accumulated_micro_batches_equal_one_big_batch():
     """k micro-batches with accum_iter=k make the same update as their concatenation."""
     micro = [random_batch() for _ in range(3)]
     start = tiny_model()
     accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
-    assert train(accumulated, micro, make_opt, accum_iter=3).step == 1
-    assert train(whole, [concat(micro)], make_opt, accum_iter=1).step == 1
+    assert train(accumulated, micro, sgd, accum_iter=3).step == 1
+    assert train(whole, [concat(micro)], sgd, accum_iter=1).step == 1
     assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
     assert_same_parameters(accumulated, whole)
 
@@ -246,8 +244,8 @@ def unequal_micro_batches():
     return [long, short]
 
 
-@pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd", "adam"])
-def test_micro_batches_of_unequal_size_equal_one_big_batch(make_opt):
+@pytest.mark.numerics
+def test_micro_batches_of_unequal_size_equal_one_big_batch():
     """Accumulating micro-batches of 11 and 2 real target tokens makes the update of one
     padded batch of all the pairs: the loss is divided by the step's 13 tokens, not
     averaged over the two micro-batch means."""
@@ -257,10 +255,10 @@ def test_micro_batches_of_unequal_size_equal_one_big_batch(make_opt):
     assert whole_batch.ntokens == 13 and whole_batch.src.size(1) > micro[1].src.size(1)
     start = tiny_model()
     accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
-    assert train(accumulated, micro, make_opt, accum_iter=2).step == 1
-    assert train(whole, [whole_batch], make_opt, accum_iter=1).step == 1
+    assert train(accumulated, micro, sgd, accum_iter=2).step == 1
+    assert train(whole, [whole_batch], sgd, accum_iter=1).step == 1
     assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
-    assert_same_parameters(accumulated, whole, atol=1e-5)
+    assert_same_parameters(accumulated, whole)
 
 
 def test_tokens_per_step_sums_each_group_including_a_short_last_one():
@@ -269,6 +267,7 @@ def test_tokens_per_step_sums_each_group_including_a_short_last_one():
     assert at.tokens_per_step(batches, accum_iter=1) == [4, 2, 5, 3, 6]
 
 
+@pytest.mark.numerics
 def test_ranks_scale_the_loss_that_ddp_averages():
     """With step_tokens counted over W ranks and ranks=W, one rank's gradient is W times
     its share of the global mean, so DDP's average over ranks gives the global mean."""
@@ -294,6 +293,7 @@ def test_ranks_scale_the_loss_that_ddp_averages():
     assert torch.allclose(grads[0], grads[1], atol=1e-7)  # 2 / 26 == 1 / 13
 
 
+@pytest.mark.numerics
 def test_short_last_group_gets_its_own_full_step():
     """3 micro-batches, accum_iter=2: a step on the first two, then one on the third alone."""
     micro = [random_batch() for _ in range(3)]
@@ -422,6 +422,7 @@ def test_greedy_decode_respects_max_len():
     assert ys.tolist() == [[START, 5, 5, 5]] * 3
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
 def test_fast_label_smoothing_equals_the_kl_version(eps):
     """The closed form gives the same loss and the same gradient as KLDivLoss."""
@@ -437,29 +438,37 @@ def test_fast_label_smoothing_equals_the_kl_version(eps):
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_fused_adam_equals_plain_adam():
     """The fused kernel (used on CUDA) takes the same steps as the plain loop; on CPU
-    torch has a fused Adam too, so the equality can be checked here."""
+    torch has a fused Adam too, so the equality can be checked here. Both are fed the
+    same gradients, so what is compared is Adam's arithmetic alone, element by element:
+    nothing in it amplifies rounding, tiny gradients (which Adam scales up to full
+    steps) included."""
     settings = at.Settings(name="t", d_model=16, warmup=4)
     plain, fused = tiny_model(), tiny_model()
     fused.load_state_dict(plain.state_dict())
-    criterion = at.LabelSmoothing(V, PAD, 0.1)
+    start = copy.deepcopy(plain)
     optimizers = [
         at.make_optimizer(m, settings, fused=f) for m, f in ((plain, False), (fused, True))
     ]
+    generator = torch.Generator().manual_seed(0)
     for _ in range(3):
-        batch = random_batch()
-        for model, (optimizer, schedule) in zip((plain, fused), optimizers, strict=True):
-            (at.batch_loss(model, criterion, batch) / batch.ntokens).backward()
+        for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+            # gradients from 1e-12 (round-off size) to 1, as a model's span
+            size = 10.0 ** torch.randint(-12, 1, p.shape, generator=generator)
+            p.grad = torch.randn(p.shape, generator=generator) * size
+            q.grad = p.grad.clone()
+        for optimizer, schedule in optimizers:
             optimizer.step()
             optimizer.zero_grad()
             schedule.step()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
-        if name.endswith("w_k.bias"):
-            continue  # zero true gradient: Adam magnifies rounding noise (see test_ddp)
-        assert torch.allclose(a, b, atol=1e-6), name
+    lr = at.rate(1, d_model=16, warmup=4)
+    assert largest_change(start, plain) > lr / 2, "Adam moved the weights"
+    assert_same_parameters(plain, fused, atol=1e-7)
 
 
+@pytest.mark.numerics
 def test_bf16_autocast_stays_close_to_fp32():
     """bf16 autocast (used on CUDA) keeps the loss within bf16's precision of fp32's.
     CPU autocast runs the same bf16 matrix products, so the check runs here."""
