@@ -103,7 +103,7 @@ def tiny_batch():
 
 
 def test_precision_follows_the_settings_and_a_resumed_run(capsys):
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
     criterion = at.LabelSmoothing(11, 0, 0.1)
     cpu, batch = torch.device("cpu"), tiny_batch()
     fp32, auto = at.Settings(name="t"), at.Settings(name="t", precision="auto")
@@ -114,12 +114,13 @@ def test_precision_follows_the_settings_and_a_resumed_run(capsys):
     assert at.choose_precision(auto, cpu, model, batch, criterion, [], world_size=2) == "fp32"
     assert capsys.readouterr().out == ""  # none of these needed a measurement
     chosen = at.choose_precision(auto, cpu, model, batch, criterion, [])
-    assert chosen in ("fp32", "bf16") and "one training batch:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert chosen in ("fp32", "bf16") and "one validation batch, forward and backward:" in printed
 
 
 def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
     at.set_seed(0)
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.5)
+    model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.5))
     before = torch.get_rng_state()
     pays, fp32, bf16 = at.bf16_pays_off(model, tiny_batch(), at.LabelSmoothing(11, 0), repeats=1)
     assert fp32 > 0 and bf16 > 0 and pays == (fp32 > 1.2 * bf16)  # the default margin
@@ -172,17 +173,17 @@ def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
     val = [at.collate(data.val, b, pad) for b in val]
     averaged = history[-1]["averaged"]
     assert averaged["epochs"] == [1, 2]
-    assert averaged["val_loss"] == at.run_epoch(val, model, criterion)
+    assert averaged["val_loss"] == at.evaluate(val, model, criterion)
     assert averaged["val_bleu"] == at.validation_bleu(model, data)
     model.load_state_dict(saved[1])
-    assert history[-1]["val_loss"] == at.run_epoch(val, model, criterion)
+    assert history[-1]["val_loss"] == at.evaluate(val, model, criterion)
     assert history[-1]["val_loss"] != averaged["val_loss"]
 
 
 # --- beam search on a scripted model -----------------------------------------------------
 
 PAD, START, END, V = 0, 1, 2, 5  # words 3 and 4 are "a" and "b"
-IDS = {"start": START, "end": END, "pad": PAD}
+IDS = at.SpecialIds(start=START, end=END, pad=PAD)
 
 
 class Scripted:
@@ -224,7 +225,7 @@ def search(model: Scripted, beam_size: int, alpha: float, max_len: int = 5, sent
     src = torch.ones(sentences, 3, dtype=torch.long)
     mask = torch.ones(sentences, 1, 3, dtype=torch.bool)
     out = at.beam_search(
-        model, src, mask, max_len, beam_size=beam_size, alpha=alpha, ids=IDS, steps=model.steps
+        model, src, mask, max_len, beam_size=beam_size, alpha=alpha, ids=IDS, scorer=model.steps
     )
     return [tuple(w for w in row[1:] if w != PAD) for row in out.tolist()]
 

@@ -114,10 +114,8 @@ def test_beam_of_one_equals_greedy(data):
     model = at.model_for(TINY, data.vocabs).eval()
     en = data.vocabs["en"]
     src = at.collate(data.val, list(range(10)), en.pad_id)
-    ids = {"start": en.bos_id, "end": en.eos_id, "pad": en.pad_id}
-    greedy = at.greedy_decode(
-        model, src.src, src.src_mask, 20, start_id=en.bos_id, end_id=en.eos_id, pad_id=en.pad_id
-    )
+    ids = en.special_ids()
+    greedy = at.greedy_decode(model, src.src, src.src_mask, 20, ids=ids)
     beam = at.beam_search(model, src.src, src.src_mask, 20, beam_size=1, alpha=0.6, ids=ids)
     assert greedy.size(1) > 5, "the sentences are several words long"
     with torch.no_grad():
@@ -252,13 +250,13 @@ def test_the_cache_follows_greedy_and_beam_search(decoding):
     model, data = decoding
     en = data.vocabs["en"]
     src = at.collate(data.val, list(range(20)), en.pad_id)
-    ids = {"start": en.bos_id, "end": en.eos_id, "pad": en.pad_id}
+    ids = en.special_ids()
     ends = [3 + (7 * b) % 20 for b in range(20)]  # steps 3 .. 22, all different from 30
     for k in (1, 4):
         record = []
         steps = ending_at(lockstep(record), ends, k, en.eos_id)
         out = at.beam_search(
-            model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, steps=steps
+            model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, scorer=steps
         )
         (search,) = record
         assert search.steps == max(ends) + 1 and search.gap < 1e-4, (k, search.gap)

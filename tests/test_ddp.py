@@ -133,12 +133,12 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path):
     data = at.prepare_data(TINY, tmp_path)
     cpu, weights, masks = torch.device("cpu"), [], []
     for rank in (0, 1):
-        model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank, world_size=2)
+        model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank=rank, world_size=2)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         masks.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
     assert torch.equal(weights[0], weights[1])
     assert (masks[0] != masks[1]).float().mean() > 0.3  # independent masks differ in ~half
-    model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, 1, world_size=2)
+    model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank=1, world_size=2)
     again = torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0
     assert torch.equal(again, masks[1]), "a rank's stream is the same on every run"
 

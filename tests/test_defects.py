@@ -130,7 +130,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
         optimizer,
         schedule,
         state,
-        [{"position": position, "random": at.random_states()}],
+        [{"position": dataclasses.asdict(position), "random": at.random_states()}],
         history,
         data.vocabs,
         settings,

@@ -1,5 +1,7 @@
 """The model's parts against PyTorch's own implementations of the same maths."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,7 +132,8 @@ D_FF = 32
 @pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
 def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
     """Our encoder layer computes nn.TransformerEncoderLayer, padded positions included."""
-    ours = at.EncoderLayer(D_MODEL, HEADS, D_FF, 0.0, pre_norm=pre_norm, use_sdpa=use_sdpa)
+    config = at.ModelConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
+    ours = at.EncoderLayer(dataclasses.replace(config, pre_norm=pre_norm, use_sdpa=use_sdpa))
     ref = nn.TransformerEncoderLayer(
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
@@ -159,7 +162,8 @@ def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
 @pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
 def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
     """Our decoder layer computes nn.TransformerDecoderLayer with the same masks."""
-    ours = at.DecoderLayer(D_MODEL, HEADS, D_FF, 0.0, pre_norm=pre_norm, use_sdpa=use_sdpa)
+    config = at.ModelConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
+    ours = at.DecoderLayer(dataclasses.replace(config, pre_norm=pre_norm, use_sdpa=use_sdpa))
     ref = nn.TransformerDecoderLayer(
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
@@ -206,14 +210,14 @@ def small_batch():
 def test_make_model_rejects_indivisible_width():
     """The error names both numbers that do not fit together."""
     with pytest.raises(ValueError, match="d_model=30") as error:
-        at.make_model(SRC_V, TGT_V, N=1, d_model=30, d_ff=8, h=4)
+        at.make_model(SRC_V, TGT_V, at.ModelConfig(N=1, d_model=30, d_ff=8, h=4))
     assert "h=4" in str(error.value)
 
 
 @pytest.mark.numerics
 def test_small_model_output_shape_and_generator_distribution():
     """Decoder states are (B, T, d_model); the generator gives log-probs summing to 1."""
-    model = at.make_model(SRC_V, TGT_V, **SMALL).eval()
+    model = at.make_model(SRC_V, TGT_V, at.ModelConfig(**SMALL)).eval()
     batch = small_batch()
     out = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     assert out.shape == (2, 4, D_MODEL)
@@ -225,9 +229,9 @@ def test_small_model_output_shape_and_generator_distribution():
 
 def test_tie_output_shares_the_target_embedding():
     """tie_output (the default) makes the projection and target embedding one tensor."""
-    tied = at.make_model(SRC_V, TGT_V, **SMALL)
+    tied = at.make_model(SRC_V, TGT_V, at.ModelConfig(**SMALL))
     assert tied.generator.proj.weight is tied.tgt_embed[0].embedding.weight
-    untied = at.make_model(SRC_V, TGT_V, **SMALL, tie_output=False)
+    untied = at.make_model(SRC_V, TGT_V, at.ModelConfig(**SMALL, tie_output=False))
     assert untied.generator.proj.weight is not untied.tgt_embed[0].embedding.weight
     shared = TGT_V * D_MODEL
     assert at.count_parameters(untied) - at.count_parameters(tied) == shared
@@ -237,8 +241,10 @@ def test_tie_output_shares_the_target_embedding():
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
 def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
     """The use_sdpa switch changes the kernel, not the function the model computes."""
-    plain = at.make_model(SRC_V, TGT_V, **SMALL, pre_norm=pre_norm, use_sdpa=False).eval()
-    fused = at.make_model(SRC_V, TGT_V, **SMALL, pre_norm=pre_norm, use_sdpa=True).eval()
+    plain = at.make_model(SRC_V, TGT_V, at.ModelConfig(**SMALL, pre_norm=pre_norm)).eval()
+    fused = at.make_model(
+        SRC_V, TGT_V, at.ModelConfig(**SMALL, pre_norm=pre_norm, use_sdpa=True)
+    ).eval()
     fused.load_state_dict(plain.state_dict())
     assert fused.decoder.layers[0].cross_attn.use_sdpa
     assert not plain.decoder.layers[0].cross_attn.use_sdpa
@@ -250,12 +256,14 @@ def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
 def test_dropout_sits_where_the_paper_puts_it():
     """Sub-layer outputs and embedding sums get P_drop; attention weights get none unless
     asked (the paper specifies none), and the FFN has no dropout module at all."""
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.1)
+    model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.1))
     layer = model.encoder.layers[0]
     assert layer.attn_sublayer.dropout.p == 0.1 and model.src_embed[1].dropout.p == 0.1
     assert layer.self_attn.dropout.p == 0.0
     assert not any(isinstance(m, nn.Dropout) for m in layer.feed_forward.modules())
-    asked = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.2)
+    asked = at.make_model(
+        11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.2)
+    )
     assert asked.decoder.layers[0].cross_attn.dropout.p == 0.2
     settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.3)
     vocabs = {"de": at.Vocab([*at.SPECIALS, "x"]), "en": at.Vocab([*at.SPECIALS, "y"])}

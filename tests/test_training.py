@@ -12,6 +12,7 @@ from torch import nn
 import annotated_transformer as at
 
 PAD, START, END, V = 0, 1, 2, 11
+IDS = at.SpecialIds(start=START, end=END, pad=PAD)
 TINY = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
 
 
@@ -21,7 +22,7 @@ def seed():
 
 
 def tiny_model(**options):
-    return at.make_model(V, V, **{**TINY, **options})
+    return at.make_model(V, V, at.ModelConfig(**{**TINY, **options}))
 
 
 def random_batch(batch_size=2, length=4):
@@ -285,8 +286,7 @@ def test_ranks_scale_the_loss_that_ddp_averages():
             optimizer=optimizer,
             schedule=schedule,
             accum_iter=2,
-            ranks=ranks,
-            step_tokens=step_tokens,
+            extras=at.LoopExtras(ranks=ranks, step_tokens=step_tokens),
         )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().max() > 1e-3
@@ -340,13 +340,13 @@ def test_evaluation_changes_nothing_and_keeps_no_graph():
     grad_enabled = []
     model.register_forward_hook(lambda *_: grad_enabled.append(torch.is_grad_enabled()))
     batches = [random_batch() for _ in range(2)]
-    loss = at.run_epoch(batches, model, at.LabelSmoothing(V, PAD, 0.1))
+    loss = at.evaluate(batches, model, at.LabelSmoothing(V, PAD, 0.1))
     assert isinstance(loss, float) and math.isfinite(loss) and loss > 0
     assert grad_enabled == [False, False]
     assert not model.training
     assert all(p.grad is None for p in model.parameters())
     assert_same_parameters(model, before, atol=0.0)
-    again = at.run_epoch(batches, model, at.LabelSmoothing(V, PAD, 0.1))
+    again = at.evaluate(batches, model, at.LabelSmoothing(V, PAD, 0.1))
     assert again == loss, "eval mode: dropout is off, so the loss is deterministic"
 
 
@@ -372,11 +372,9 @@ def source():
 
 
 def test_greedy_decode_shape_and_start_symbol():
-    """An untrained model: (B, <= max_len) ids that start with <s>."""
+    """An untrained model: (B, <= max_output_len) ids that start with <s>."""
     src, src_mask = source()
-    ys = at.greedy_decode(
-        tiny_model(), src, src_mask, max_len=6, start_id=START, end_id=END, pad_id=PAD
-    )
+    ys = at.greedy_decode(tiny_model(), src, src_mask, max_output_len=6, ids=IDS)
     assert ys.dtype == torch.long and ys.size(0) == 3 and 2 <= ys.size(1) <= 6
     assert (ys[:, 0] == START).all()
 
@@ -392,7 +390,7 @@ def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
         ]
     )
     src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_len=8, start_id=START, end_id=END, pad_id=PAD)
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=8, ids=IDS)
     assert ys.tolist() == [
         [START, 5, END, PAD, PAD],
         [START, 5, 6, 7, END],
@@ -409,16 +407,16 @@ def test_greedy_decode_stops_after_one_step_when_end_always_wins():
         model.generator.proj.bias.zero_()
         model.generator.proj.bias[END] = 100.0
     src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_len=10, start_id=START, end_id=END, pad_id=PAD)
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=10, ids=IDS)
     assert ys.tolist() == [[START, END]] * 3
 
 
-def test_greedy_decode_respects_max_len():
-    """A sentence that never ends is cut at max_len tokens, <s> included."""
+def test_greedy_decode_respects_max_output_len():
+    """A sentence that never ends is cut at max_output_len tokens, <s> included."""
     model = tiny_model()
     model.generator = ScriptedGenerator([[5] * 10] * 3)
     src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_len=4, start_id=START, end_id=END, pad_id=PAD)
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=4, ids=IDS)
     assert ys.tolist() == [[START, 5, 5, 5]] * 3
 
 

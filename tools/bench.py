@@ -210,6 +210,11 @@ def fixed_batches(data: at.Multi30k, settings: at.Settings, count: int, device) 
     return [at.collate(data.train, b, pad_id).to(device) for b in indices[:count]]
 
 
+def as_a_run_trains(settings: at.Settings, device, precision: str) -> at.LoopExtras:
+    """The clipping and mixed precision that train_epoch gives run_epoch."""
+    return at.LoopExtras(clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision))
+
+
 def train_round(training, criterion, batches, settings: at.Settings, precision: str) -> float:
     """Mean seconds of one training step (forward, backward, clipping, Adam) over the batches.
 
@@ -218,17 +223,10 @@ def train_round(training, criterion, batches, settings: at.Settings, precision: 
     model, optimizer, schedule = training
     device = next(model.parameters()).device
 
+    extras = as_a_run_trains(settings, device, precision)
+
     def steps():
-        at.run_epoch(
-            batches,
-            model,
-            criterion,
-            optimizer,
-            schedule,
-            extras=at.LoopExtras(
-                clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision)
-            ),
-        )
+        at.run_epoch(batches, model, criterion, optimizer, schedule, extras=extras)
 
     seconds, _ = timed(device, steps)
     return seconds / len(batches)
@@ -470,9 +468,7 @@ def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainSt
         schedule,
         state=state,
         accum_iter=settings.accum_iter,
-        extras=at.LoopExtras(
-            clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision)
-        ),
+        extras=as_a_run_trains(settings, device, precision),
     )
     return state
 
