@@ -400,7 +400,8 @@ def get_settings(name: str | None = None) -> Settings:
 # > weights by $\sqrt{d_{\text{model}}}$."
 #
 # > Why $\sqrt{d_{\text{model}}}$? The paper does not say. Its reference code,
-# > tensor2tensor, initialised the embeddings from $N(0, d_{\text{model}}^{-1/2})$
+# > tensor2tensor, initialised the embeddings from a normal distribution with mean 0
+# > and standard deviation $d_{\text{model}}^{-1/2}$ (a variance of $1/d_{\text{model}}$)
 # > and multiplied them by $\sqrt{d_{\text{model}}}$ (`modalities.py`), so each
 # > component enters the model with a standard deviation of about 1, the scale of the
 # > positional encodings added next (which lie in $[-1, 1]$). We initialise embeddings
@@ -1812,17 +1813,9 @@ DATA_DIR = Path("data")  # downloads, caches, vocabularies and checkpoints
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One more line of plumbing, for speed and memory on a CPU. A training step creates and
-# frees dozens of tensors the size of (tokens × vocabulary), tens of megabytes each,
-# and by default Linux's C library hands each back to the operating system when it is
-# freed, so the next step pays to get fresh memory. And in bf16 (below), oneDNN, the
-# library that runs PyTorch's bf16 matrix products on a CPU, keeps a compiled kernel
-# for every matrix shape it meets, which costs memory when every batch has another
-# shape. `prepare_cpu_memory` asks the C
-# library to keep freed blocks for reuse and caps oneDNN's cache; its docstring has the
-# measurements (26% more target tokens per second over 50 batches, and an epoch's peak
-# 1.0 GB lower with oneDNN's cache capped at 64 kernels).
-# Elsewhere than Linux the first part does nothing.
+# One more line of plumbing, `prepare_cpu_memory()`, makes training on a CPU faster
+# and leaner. What it changes, and why, is in the folded note on bf16 and memory in
+# "Training on CPU, Apple GPU or CUDA" below.
 
 # %%
 from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
@@ -2162,6 +2155,15 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 #
 # The same code runs on any of the three; `pick_device` chooses the best one present.
 #
+# NVIDIA GPUs since the Ampere generation (2020) and some recent CPUs run matrix
+# products much faster in bfloat16 (bf16), a 16-bit format, than in float32; other CPUs
+# run it slower. With `precision="auto"` a run measures which holds on the machine at
+# hand and trains in bf16 only where it pays.
+# The note below says what bf16 autocast changes, and the memory settings that make
+# it fast on a CPU; open it when you need the details.
+#
+# <details><summary>bf16 and memory on a CPU: what changes, and why (click to open)</summary>
+#
 # **bf16 autocast.** Inside `torch.autocast(..., dtype=torch.bfloat16)`, PyTorch runs
 # the matrix products (the linear layers and attention's two products) in bfloat16: 16
 # bits, with float32's range but only 8 bits of precision (7 stored fraction bits plus
@@ -2188,6 +2190,20 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # AMX) it picks bf16, and whole training epochs ran about 1.2 times as fast as in
 # float32 (R4 against R3, in the paragraph after the runs table at the end of
 # "Training on a budget", which also compares their validation loss and BLEU).
+#
+# **Memory settings on a CPU.** A training step creates and
+# frees dozens of tensors the size of (tokens × vocabulary), tens of megabytes each,
+# and by default Linux's C library hands each back to the operating system when it is
+# freed, so the next step pays to get fresh memory. And in bf16, oneDNN, the
+# library that runs PyTorch's bf16 matrix products on a CPU, keeps a compiled kernel
+# for every matrix shape it meets, which costs memory when every batch has another
+# shape. `prepare_cpu_memory` asks the C
+# library to keep freed blocks for reuse and caps oneDNN's cache; its docstring has the
+# measurements (26% more target tokens per second over 50 batches, and an epoch's peak
+# 1.0 GB lower with oneDNN's cache capped at 64 kernels).
+# Elsewhere than Linux the first part does nothing.
+#
+# </details>
 #
 # On CUDA the fused Adam kernel also switches on. Tests check that fused Adam takes the
 # same steps as the plain loop, and that bf16 keeps the loss within 2% of float32's.
@@ -3228,36 +3244,6 @@ def validation_bleu(model, data: Multi30k) -> float:
 # validation split the two came out level (the table at the end of this section), and
 # the `cpu` preset keeps the paper's schedule with averaging; the linear decay is one
 # setting away.
-#
-# **2. Gradient clipping.** Before each optimizer step, `clip_norm=1.0` scales the
-# summed gradient down to norm 1 when it is larger (`torch.nn.utils.clip_grad_norm_`,
-# which measures all parameters' gradients together as one vector). It bounds how far
-# one unusual batch can push the weights. The paper does not mention clipping, and
-# its reference code switched it off for the base model (tensor2tensor's
-# `transformer_base_v1`: `clip_grad_norm = 0.`); small-data recipes such as Ben
-# Trevett's PyTorch tutorials clip at 1.
-#
-# **3. Averaging the last epochs (§6.1).** "For the base models, we used a single
-# model obtained by averaging the last 5 checkpoints, which were written at 10-minute
-# intervals. For the big models, we averaged the last 20 checkpoints." The weights near
-# the end of training sit at different points around the same good region; their mean
-# lies nearer its middle, and costs no training time. We keep the weights at the end of
-# each of the last `average_last` epochs in `epoch-<n>.pt` beside the checkpoints, and
-# the final model is their element-wise mean. The points must be close: averaging an
-# early epoch with a late one would mix a poor model into a good one. On our validation
-# split, averaging the last three epochs helped the paper's schedule (by 0.9 BLEU
-# greedy and 0.7 with beam search, $\alpha = 0.6$: R3 in the table below) and did
-# little after a linear decay, which had
-# already settled the weights.
-#
-# **4. Validation BLEU after every epoch.** The loss is what training minimises, but
-# BLEU is what we care about, and the two need not move together. After every epoch
-# the loop translates the validation split greedily (a few seconds) and prints its
-# sacreBLEU; the chart after training draws it beside the loss.
-#
-# **5. bf16 where the CPU runs it natively**, chosen by measuring (the box in "Training
-# on CPU, Apple GPU or CUDA" explains what autocast changes and what it does not). The
-# time it saves buys epochs.
 
 # %%
 CPU_PRESET_STEPS = 1920  # planned_steps(get_settings("cpu"), all 29,000 pairs); a test checks
@@ -3294,6 +3280,28 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # ).properties(width=450, height=200)
 
 # %% [markdown]
+# **2. Gradient clipping.** Before each optimizer step, `clip_norm=1.0` scales the
+# summed gradient down to norm 1 when it is larger (`torch.nn.utils.clip_grad_norm_`,
+# which measures all parameters' gradients together as one vector). It bounds how far
+# one unusual batch can push the weights. The paper does not mention clipping, and
+# its reference code switched it off for the base model (tensor2tensor's
+# `transformer_base_v1`: `clip_grad_norm = 0.`); small-data recipes such as Ben
+# Trevett's PyTorch tutorials clip at 1.
+
+# %% [markdown]
+# **3. Averaging the last epochs (§6.1).** "For the base models, we used a single
+# model obtained by averaging the last 5 checkpoints, which were written at 10-minute
+# intervals. For the big models, we averaged the last 20 checkpoints." The weights near
+# the end of training sit at different points around the same good region; their mean
+# lies nearer its middle, and costs no training time. We keep the weights at the end of
+# each of the last `average_last` epochs in `epoch-<n>.pt` beside the checkpoints, and
+# the final model is their element-wise mean. The points must be close: averaging an
+# early epoch with a late one would mix a poor model into a good one. On our validation
+# split, averaging the last three epochs helped the paper's schedule (by 0.9 BLEU
+# greedy and 0.7 with beam search, $\alpha = 0.6$: R3 in the table below), and moved
+# the linear decay's scores by less than a point either way: that decay had already
+# let the weights settle.
+#
 # Averaging is one line per weight tensor: the mean over the saved state dicts. The
 # check below averages two tiny "models" by hand.
 
@@ -3307,6 +3315,16 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # %% active="ipynb"
 # two_points = [{"w": torch.tensor([1.0, 4.0])}, {"w": torch.tensor([3.0, 0.0])}]
 # assert torch.equal(average_weights(two_points)["w"], torch.tensor([2.0, 2.0]))
+
+# %% [markdown]
+# **4. Validation BLEU after every epoch.** The loss is what training minimises, but
+# BLEU is what we care about, and the two need not move together. After every epoch
+# the loop translates the validation split greedily (a few seconds) and prints its
+# sacreBLEU; the chart after training draws it beside the loss.
+#
+# **5. bf16 where the CPU runs it natively**, chosen by measuring (the folded note in
+# "Training on CPU, Apple GPU or CUDA" explains what autocast changes and what it does
+# not). The time it saves buys epochs.
 
 # %% [markdown]
 # **The runs behind these choices.** Each row is one training run of the `cpu` preset
@@ -3363,9 +3381,10 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # paper's schedule does not depend on the run's length, so every step had the same
 # rate). Validation loss after each epoch: 3.727, 2.978, 2.414 in float32 against
 # 3.722, 2.931, 2.354 in bf16; greedy BLEU 1.3, 7.1, 14.0 against 1.0, 7.3, 14.4.
-# bf16 did not hurt. It ran its epochs at 4,700 to 4,800 target tokens per second
+# bf16 did not hurt. R3 ran its epochs at 4,700 to 4,800 target tokens per second
 # against about 4,030 in float32 (the undisturbed epochs of R4): 1.2 times faster
-# here, about two more epochs in the same time.
+# here, about two more epochs in the same time. (The reference `make run` of the
+# README, another run on another day, averaged 4,971.)
 #
 # What they say. Twelve epochs beat ten by about a point (R1 against R2) but take
 # about four more minutes (18.7 against 14.3); the preset stops at ten to keep
@@ -3582,9 +3601,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # print("sacreBLEU signature:", test_results["bleu_signature"])
 # # the standard the prose promises: one reference, cased, sacreBLEU's own 13a tokenizer
 # assert test_results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|")
-# # the reference run that the prose quotes (823 s of training, beam 2.5 times as long)
+# # the reference run that the prose quotes (823 s, 4,971 tokens/s, beam 2.5 times as long)
 # reference = json.loads(Path("results/make-run-cpu-xeon.json").read_text(encoding="utf-8"))
-# assert reference["train_seconds"] == 823
+# assert reference["train_seconds"] == 823 and reference["train_tokens_per_second"] == 4971
 # assert round(reference["beam4_test2016_seconds"] / reference["greedy_test2016_seconds"], 1) == 2.5
 
 # %% [markdown]
