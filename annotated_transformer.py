@@ -2159,9 +2159,18 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # products much faster in bfloat16 (bf16), a 16-bit format, than in float32; other CPUs
 # run it slower. With `precision="auto"` a run measures which holds on the machine at
 # hand and trains in bf16 only where it pays.
-# The note below says what bf16 autocast changes, and the memory settings that make
-# it fast on a CPU; open it when you need the details.
+# The note at the end of this section says what bf16 autocast changes, and the memory
+# settings that make it fast on a CPU; open it when you need the details.
 #
+# On CUDA the fused Adam kernel also switches on. Tests check that fused Adam takes the
+# same steps as the plain loop, and that bf16 keeps the loss within 2% of float32's.
+#
+# > `torch.compile` is not used. On the 2-core CPU it made a training step of the `cpu`
+# > preset 16% *slower* than eager mode, and compiling costs tens of seconds
+# > (`tools/bench.py --compile` measures both). Whether it pays on a GPU is not yet
+# > measured.
+
+# %% [markdown]
 # <details><summary>bf16 and memory on a CPU: what changes, and why (click to open)</summary>
 #
 # **bf16 autocast.** Inside `torch.autocast(..., dtype=torch.bfloat16)`, PyTorch runs
@@ -2186,10 +2195,12 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # *slower*. So on a CPU we do not guess: `bf16_pays_off`, below, times the forward and
 # backward pass of one validation batch in each precision at the start of a run
 # (best of three timings each) and uses bf16 only if it is more than 1.2 times
-# faster; the line it prints gives both times. On this project's 2-core Xeon (with
-# AMX) it picks bf16, and whole training epochs ran about 1.2 times as fast as in
+# faster; the line it prints gives both times. On the 2-core Xeon of the reference run
+# (with AMX) it picks bf16, and whole training epochs ran about 1.2 times as fast as in
 # float32 (R4 against R3, in the paragraph after the runs table at the end of
-# "Training on a budget", which also compares their validation loss and BLEU).
+# "Training on a budget", which also compares their validation loss and BLEU). On a
+# 2-core AMD EPYC with AVX2 only, one batch took 0.63 s in float32 and 23.68 s in
+# bf16, and it picks float32 (`results/bench-cpu-epyc.json`).
 #
 # **Memory settings on a CPU.** A training step creates and
 # frees dozens of tensors the size of (tokens × vocabulary), tens of megabytes each,
@@ -2204,14 +2215,6 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # Elsewhere than Linux the first part does nothing.
 #
 # </details>
-#
-# On CUDA the fused Adam kernel also switches on. Tests check that fused Adam takes the
-# same steps as the plain loop, and that bf16 keeps the loss within 2% of float32's.
-#
-# > `torch.compile` is not used. On the 2-core CPU it made a training step of the `cpu`
-# > preset 16% *slower* than eager mode, and compiling costs tens of seconds
-# > (`tools/bench.py --compile` measures both). Whether it pays on a GPU is not yet
-# > measured.
 
 
 # %%
@@ -3340,7 +3343,10 @@ def average_weights(state_dicts: list[dict]) -> dict:
 
 # %% active="ipynb"
 # tuning = json.loads(Path("results/tuning-cpu-xeon.json").read_text(encoding="utf-8"))
-# display(pd.DataFrame(tuning["runs"]).fillna(""))
+# labels = {"beam_0.6": "beam, α = 0.6", "beam_1.0": "beam, α = 1.0", "training_minutes": "min"}
+# with pd.option_context("display.max_colwidth", None):  # the notes in full
+#     runs = pd.DataFrame(tuning["runs"]).rename(columns=labels).set_index("run")
+#     display(runs.astype(object).fillna(""))  # blank, not NaN, where a run has no figure
 # row = {(r["run"], r["averaged"]): r for r in tuning["runs"]}  # e.g. ("R3", "last 3")
 # averaged, last_epoch = row["R3", "last 3"], row["R3", "none (last epoch)"]
 # # averaging helped the paper's schedule: 0.9 greedy, 0.7 with beam (alpha 0.6)

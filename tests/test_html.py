@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 import nbformat
 import pytest
+from bs4 import BeautifulSoup
 from conftest import ROOT
 from nbclient import NotebookClient
 
@@ -102,6 +103,22 @@ def test_hide_input_cells_are_folded_and_others_are_not(tmp_path):
     assert len(folded) == 1 and "plumbing_detail" in folded[0]
     assert "lesson_code" not in folded[0] and "lesson_code" in text
     assert "hidden cell's output" in text.split(folded[0])[1]  # the output stays outside
+
+
+def test_a_folded_note_in_markdown_holds_its_paragraphs(tmp_path):
+    """<details> in a markdown cell folds the markdown after it, formatted, in the page."""
+    source = markdown_notebook(
+        tmp_path / "note.ipynb",
+        "Before the note.\n\n<details><summary>More</summary>\n\n**Bold** inside the note."
+        "\n\nA second paragraph, $x^2$.\n\n</details>\n",
+    )
+    export_html.export(source, tmp_path / "note.html")
+    page = BeautifulSoup((tmp_path / "note.html").read_text(encoding="utf-8"), "html.parser")
+    (note,) = page.select("div.jp-RenderedMarkdown details")
+    assert note.summary.get_text() == "More"
+    assert note.find("strong").get_text() == "Bold" and "second paragraph" in note.get_text()
+    assert note.find("math") is not None  # formulas inside a note become MathML too
+    assert "Before the note" not in note.get_text()
 
 
 def test_the_notebook_folds_its_plumbing_cells():

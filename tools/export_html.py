@@ -106,6 +106,22 @@ def fold_hidden_inputs(body: str) -> str:
     return str(page)
 
 
+def fold_markdown_notes(body: str) -> str:
+    """Put the rest of a markdown cell inside the <details> that opens a folded note.
+
+    A note is written in markdown as `<details><summary>...</summary>`, the note's
+    paragraphs, then `</details>` at the end of its cell. nbconvert parses each HTML
+    block of a markdown cell on its own, so the <details> comes out closed at once, the
+    paragraphs follow it and the closing tag is dropped; this puts them back inside."""
+    page = BeautifulSoup(body, "html.parser")
+    for details in page.select("div.jp-RenderedMarkdown details"):
+        if any(child.name not in (None, "summary") for child in details.children):
+            continue  # it already holds its note
+        for sibling in list(details.next_siblings):
+            details.append(sibling.extract())
+    return str(page)
+
+
 def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     """Write the offline page for `source` to `target`; return the number of charts.
 
@@ -120,7 +136,7 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})
     if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
-    body = fold_hidden_inputs(REMOTE_SCRIPT.sub("", body))
+    body = fold_markdown_notes(fold_hidden_inputs(REMOTE_SCRIPT.sub("", body)))
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
     bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])
