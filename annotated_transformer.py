@@ -2497,7 +2497,7 @@ def planned_steps(settings: Settings, pairs: list, world_size: int = 1) -> int:
 def no_sync_factory(model):
     """For run_epoch: skip DDP's gradient all-reduce except on a step's last micro-batch."""
     if not hasattr(model, "no_sync"):
-        return lambda last: contextlib.nullcontext()
+        return no_sync  # one process: nothing to synchronise
     return lambda last: contextlib.nullcontext() if last else model.no_sync()
 
 
@@ -2606,6 +2606,19 @@ def train_epoch(run: Run, position: Position) -> dict:
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
+def training_loss(settings: Settings, vocabs: dict) -> FastLabelSmoothing:
+    """The loss a run trains and validates with: label smoothing over English words."""
+    en = vocabs["en"]
+    return FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+
+
+def validation_batches(data: Multi30k, settings: Settings, device) -> list[Batch]:
+    """The validation split in length-bucketed batches, in one fixed order."""
+    pad_id = data.vocabs["en"].pad_id
+    indices = bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
+    return [collate(data.val, b, pad_id).to(device) for b in indices]
+
+
 def train_model(
     settings: Settings,
     data: Multi30k | None = None,
@@ -2634,10 +2647,8 @@ def train_model(
         world_size=world_size,
         total_steps=total_steps,
     )
-    en = data.vocabs["en"]
-    val_indices = bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
-    val_batches = [collate(data.val, b, en.pad_id).to(device) for b in val_indices]
-    criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    val_batches = validation_batches(data, settings, device)
+    criterion = training_loss(settings, data.vocabs)
     precision = choose_precision(
         settings, device, model, val_batches[0], criterion, history, world_size
     )

@@ -167,10 +167,8 @@ def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
     # each recorded validation score is that of the weights it names: scored again here,
     # on the same path and machine, they come out to the last bit
-    pad = data.vocabs["en"].pad_id
-    criterion = at.FastLabelSmoothing(len(data.vocabs["en"]), pad, settings.label_smoothing)
-    val = at.bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
-    val = [at.collate(data.val, b, pad) for b in val]
+    criterion = at.training_loss(settings, data.vocabs)
+    val = at.validation_batches(data, settings, torch.device("cpu"))
     averaged = history[-1]["averaged"]
     assert averaged["epochs"] == [1, 2]
     assert averaged["val_loss"] == at.evaluate(val, model, criterion)

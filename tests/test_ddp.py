@@ -79,7 +79,7 @@ def reference_training(settings, data, world_size):
     model = at.model_for(settings, data.vocabs)
     optimizer, schedule = sgd_with_the_schedule(model, settings, ranks=world_size)
     pad = data.vocabs["en"].pad_id
-    criterion = at.FastLabelSmoothing(len(data.vocabs["en"]), pad, settings.label_smoothing)
+    criterion = at.training_loss(settings, data.vocabs)
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
     for epoch in range(settings.epochs):
         indices = at.bucket_batches(

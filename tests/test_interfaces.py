@@ -62,18 +62,21 @@ def test_the_loop_extras_change_nothing_by_default():
     assert not torch.equal(after[0], torch.cat([p.flatten() for p in model.parameters()]))
 
 
-def test_evaluate_changes_no_weight_and_measures_the_mean_token_loss():
+def test_evaluate_measures_the_mean_loss_per_real_target_token():
+    """The summed loss of all batches over all their real target tokens (test_training.py
+    checks that evaluation changes nothing and keeps no graph)."""
     torch.manual_seed(0)
     model = at.make_model(9, 9, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = [at.Batch(torch.tensor([[1, 5, 2]]), torch.tensor([[1, 7, 8, 2]]), 0)]
+    batches = [
+        at.Batch(torch.tensor([[1, 5, 2]]), torch.tensor([[1, 7, 8, 2]]), 0),
+        at.Batch(torch.tensor([[1, 6, 2]]), torch.tensor([[1, 7, 2, 0]]), 0),
+    ]
     criterion = at.LabelSmoothing(9, 0, 0.1)
     loss = at.evaluate(batches, model, criterion)
-    assert not model.training  # eval mode: dropout off
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():
-        expected = at.batch_loss(model, criterion, batches[0]).item() / batches[0].ntokens
-    assert loss == pytest.approx(expected, rel=1e-6)
+        summed = sum(at.batch_loss(model, criterion, b).item() for b in batches)
+    assert [b.ntokens for b in batches] == [3, 2]  # unequal: a mean of means would differ
+    assert loss == pytest.approx(summed / 5, rel=1e-6)
 
 
 def test_the_model_settings_travel_as_one_config_and_reach_every_layer():
@@ -123,16 +126,21 @@ def test_special_ids_come_from_the_vocabulary_in_one_record():
 
 
 def test_greedy_and_beam_search_take_the_same_special_ids():
+    """Both decoders start every row with ids.start and pad after ids.end. (Whether beam 1
+    equals greedy is tested in test_checkpoint.py, tolerant of near ties.)"""
     torch.manual_seed(0)
     model = at.make_model(9, 9, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0))
-    src = torch.tensor([[1, 5, 6, 7, 2]])
+    src = torch.tensor([[1, 5, 6, 7, 2], [1, 5, 2, 0, 0]])
     mask = (src != 0).unsqueeze(-2)
-    ids = at.SpecialIds(start=1, end=2, pad=0)
-    greedy = at.greedy_decode(model, src, mask, 8, ids=ids)
-    beam = at.beam_search(model, src, mask, 8, beam_size=1, alpha=0.6, ids=ids)
-    assert greedy[0, 0] == beam[0, 0] == ids.start
-    # beam search with one beam is greedy decoding (padding after </s> aside)
-    assert greedy[0, : beam.size(1)].tolist() == beam[0].tolist()
+    ids = at.SpecialIds(start=4, end=3, pad=0)  # deliberately not the usual 1, 2, 0
+    for out in (
+        at.greedy_decode(model, src, mask, 8, ids=ids),
+        at.beam_search(model, src, mask, 8, beam_size=2, alpha=0.6, ids=ids),
+    ):
+        assert (out[:, 0] == ids.start).all()
+        for row in out.tolist():
+            if ids.end in row:
+                assert all(w == ids.pad for w in row[row.index(ids.end) + 1 :])
 
 
 def test_the_run_is_built_with_keywords_only():

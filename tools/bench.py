@@ -142,10 +142,8 @@ def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dic
     """
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs).to(device)
-    en = data.vocabs["en"]
-    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-    first = at.bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)[0]
-    batch = at.collate(data.val, first, en.pad_id).to(device)
+    criterion = at.training_loss(settings, data.vocabs)
+    batch = at.validation_batches(data, settings, device)[0]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         precision = at.choose_precision(settings, device, model, batch, criterion, history=[])
@@ -246,8 +244,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
     compilation.
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
-    en = vocabs["en"]
-    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    criterion = at.training_loss(settings, vocabs)
     contenders = {
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
@@ -266,7 +263,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
                 warmup[name] = seconds * len(batches)
     ours, pytorch = statistics.median(rounds["ours"]), statistics.median(rounds["pytorch"])
     model = contenders["ours"][0]
-    step_flops = training_flops(model, settings, batches, en.pad_id) / len(batches)
+    step_flops = training_flops(model, settings, batches, vocabs["en"].pad_id) / len(batches)
     return {
         "precision": precision,
         "ours_step_seconds": ours,
@@ -456,7 +453,7 @@ def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainSt
     counted."""
     model, optimizer, schedule = training
     device, pad_id = next(model.parameters()).device, vocabs["en"].pad_id
-    criterion = at.FastLabelSmoothing(len(vocabs["en"]), pad_id, settings.label_smoothing)
+    criterion = at.training_loss(settings, vocabs)
     indices = at.bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=0)
     batches = [at.collate(pairs, b, pad_id).to(device) for b in indices]
     state = at.TrainState()
