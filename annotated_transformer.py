@@ -281,7 +281,7 @@ CPU = Settings(
     epochs=10,  # the time budget; 12 beat 10 by about a point with beam (R1, R2)
     warmup=400,  # a fifth of the run's 1,920 steps, not the paper's 4,000
     lr_factor=0.5,  # half the paper's formula: peak 1.6e-3 (not tuned this session)
-    schedule="inverse_sqrt",  # the paper's; tied with "linear" on validation (R3, R2)
+    schedule="inverse_sqrt",  # the paper's; R3 ahead of "linear" (R2) by 0.2 to 1.0
     clip_norm=1.0,  # the paper is silent ("Training on a budget", point 2)
     precision="auto",  # bf16 where this CPU runs it faster, measured at the start
     average_last=3,  # the paper averaged checkpoints (§6.1); 3 beat none (R3)
@@ -1377,8 +1377,9 @@ def make_optimizer(model, settings: Settings, fused=False, ranks: int = 1, total
 # %% [markdown]
 # ### Running an epoch, with gradient accumulation
 #
-# `run_epoch` makes one pass over a list of batches. With an optimizer it trains;
-# without one it evaluates, under `torch.no_grad()` and in eval mode (no dropout).
+# `run_epoch` makes one training pass over a list of batches; `evaluate`, below, makes
+# the same pass without an optimizer, under `torch.no_grad()` and in eval mode (no
+# dropout).
 #
 # *Gradient accumulation* imitates a batch `accum_iter` times larger than fits in
 # memory: the gradients of several micro-batches are summed before one optimizer step.
@@ -1411,17 +1412,18 @@ def make_optimizer(model, settings: Settings, fused=False, ranks: int = 1, total
 # defaults change nothing, so Part 2's plain call stays short and a first reading can
 # skip it:
 #
-# * in "Training on a budget": `clip_norm`, which scales the summed gradient down before
-#   each step so that its norm over all parameters is at most this, and `autocast`, a
-#   factory of contexts for mixed precision (bf16 on a GPU, and on a CPU that runs it
-#   natively);
+# * `clip_norm` (point 2 of "Training on a budget"), which scales the summed gradient
+#   down before each step so that its norm over all parameters is at most this;
+# * `autocast` (the folded note in "Training on CPU, Apple GPU or CUDA"), a factory of
+#   contexts for mixed precision: bf16 on CUDA, and on a CPU where it measured faster;
 # * in Part 3's training loop: `progress`, called with the loss and token count of every
 #   batch (the progress bar), and, for checkpoints in the middle of an epoch,
 #   `after_step` and `totals`;
 # * in Part 4, for several processes at once: `step_tokens`, `ranks` and `sync`.
 #
-# Each is explained where it is used. The record's cell is folded: open it to see the
-# eight fields and their defaults.
+# Each is explained in the section named above; `train_epoch`, in Part 3's training
+# loop, fills in all eight. The record's cell is folded: open it to see the fields and
+# their defaults.
 
 
 # %%
@@ -1665,9 +1667,9 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 # 100 steps, since we take only a few hundred) and then `linear_rate`'s straight line
 # to zero at the last step, no label smoothing (a copy has one right answer) and
 # gradient accumulation over two micro-batches, to exercise it. The rate must end
-# small: with the paper's decay, still at half its peak after 600 steps, the loss
-# jumped up and down to the end, and one seed in six finished with 4 of 100 held-out
-# sequences miscopied.
+# small: with the paper's decay, still at two fifths of its peak after 600 steps, the
+# loss jumped up and down to the end, and one of the six seeds we tried finished with
+# 4 of 100 held-out sequences miscopied.
 # Each epoch draws 40 fresh batches of 128 random sequences, so the model never sees
 # the same sequence twice and cannot memorise: it has to learn the rule.
 #
@@ -1813,9 +1815,10 @@ DATA_DIR = Path("data")  # downloads, caches, vocabularies and checkpoints
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One more line of plumbing, `prepare_cpu_memory()`, makes training on a CPU faster
-# and leaner. What it changes, and why, is in the folded note on bf16 and memory in
-# "Training on CPU, Apple GPU or CUDA" below.
+# One more line of plumbing, `prepare_cpu_memory()`, made bf16 training on our 2-core
+# Xeon faster and leaner (its speed part needs Linux's C library, glibc). What it
+# changes, and why, is in the folded note on bf16 and memory in "Training on CPU,
+# Apple GPU or CUDA" below.
 
 # %%
 from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
@@ -2157,10 +2160,11 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 #
 # NVIDIA GPUs since the Ampere generation (2020) and some recent CPUs run matrix
 # products much faster in bfloat16 (bf16), a 16-bit format, than in float32; other CPUs
-# run it slower. With `precision="auto"` a run measures which holds on the machine at
-# hand and trains in bf16 only where it pays.
-# The note at the end of this section says what bf16 autocast changes, and the memory
-# settings that make it fast on a CPU; open it when you need the details.
+# run it slower. With `precision="auto"`, a CUDA run always trains in bf16 (fast on
+# Ampere and later GPUs), and a single-process CPU run measures which holds and trains
+# in bf16 only where it pays. The folded note just below says what bf16 autocast
+# changes, and the memory settings that make it fast on a CPU; open it when you need
+# the details.
 #
 # On CUDA the fused Adam kernel also switches on. Tests check that fused Adam takes the
 # same steps as the plain loop, and that bf16 keeps the loss within 2% of float32's.
@@ -2190,9 +2194,10 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # already rounded to bf16 by then. What changes, in short, is rounding inside the
 # forward and backward passes; the update arithmetic is as before.
 #
-# Tensor cores (CUDA) and recent CPUs run bf16 products many times faster: Intel's AMX
-# and AVX-512 BF16, AMD's Zen 4 and later. A CPU without them emulates bf16 and gets
-# *slower*. So on a CPU we do not guess: `bf16_pays_off`, below, times the forward and
+# The tensor cores of Ampere and later GPUs, and Intel's AMX, run bf16 products many
+# times faster than float32; AVX-512 BF16 (Intel, and AMD since Zen 4) speeds them up
+# less. A CPU without any of them emulates bf16 and gets *slower*. So on a CPU we do
+# not guess: `bf16_pays_off`, below, times the forward and
 # backward pass of one validation batch in each precision at the start of a run
 # (best of three timings each) and uses bf16 only if it is more than 1.2 times
 # faster; the line it prints gives both times. On the 2-core Xeon of the reference run
@@ -2204,15 +2209,16 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 #
 # **Memory settings on a CPU.** A training step creates and
 # frees dozens of tensors the size of (tokens × vocabulary), tens of megabytes each,
-# and by default Linux's C library hands each back to the operating system when it is
-# freed, so the next step pays to get fresh memory. And in bf16, oneDNN, the
+# and by default Linux's C library hands every block over 32 MiB back to the operating
+# system when it is freed, so the next step pays to get fresh memory. And in bf16, oneDNN, the
 # library that runs PyTorch's bf16 matrix products on a CPU, keeps a compiled kernel
 # for every matrix shape it meets, which costs memory when every batch has another
 # shape. `prepare_cpu_memory` asks the C
 # library to keep freed blocks for reuse and caps oneDNN's cache; its docstring has the
 # measurements (26% more target tokens per second over 50 batches, and an epoch's peak
-# 1.0 GB lower with oneDNN's cache capped at 64 kernels).
-# Elsewhere than Linux the first part does nothing.
+# 1.0 GB lower with oneDNN's cache capped at 64 kernels; 100 batches peaked a further
+# 0.37 GB lower at the 16 it sets). Where the C library is not glibc (macOS, Windows,
+# musl) the first part does nothing.
 #
 # </details>
 
@@ -3248,11 +3254,11 @@ def validation_bleu(model, data: Multi30k) -> float:
 # of its peak. Late in training each batch's noise pushes the weights around a good
 # region, and only small steps let them settle in it. There are two ways to get there.
 # One is a rate that ends: Li, Yumer and Ramanan ("Budgeted Training", ICLR 2020)
-# compared schedules for runs whose length is fixed in advance, on image tasks, and
+# compared schedules for runs whose length is fixed in advance, on vision tasks, and
 # found a rate that falls linearly to zero at the end of the budget "both robust and
 # high-performing". `schedule="linear"` keeps the paper's warm-up and peak and then
 # draws that straight line; `planned_steps` counts the run's steps before it starts,
-# so the line reaches zero at the last one. The chart shows both shapes, relative to
+# so the line reaches zero just after the last one. The chart shows both shapes, relative to
 # their peak, against the share of the run done. The other way is the paper's own:
 # keep its schedule, and average the weights of the last epochs (point 3). On our
 # validation split the two came out level (the table at the end of this section), and
@@ -3348,9 +3354,9 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # point or two away, so only larger differences carry weight.
 #
 # The table is drawn from the run's record, `results/tuning-cpu-xeon.json`, which also
-# names the machine, the commits and the command. The cell checks every figure that the
-# prose of this section restates from it, so a new record that changes a figure stops
-# the notebook until the prose is changed too.
+# names the machine, the commits and the command. This cell and the one after the next
+# paragraph check the main figures that the prose of this section restates from it, so
+# a new record that changes one stops the notebook until the prose is changed too.
 
 # %% active="ipynb"
 # tuning = json.loads(Path("results/tuning-cpu-xeon.json").read_text(encoding="utf-8"))
@@ -3403,20 +3409,19 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # here, about two more epochs in the same time. (The reference `make run` of the
 # README, another run on another day, averaged 4,971.)
 #
-# What they say. Twelve epochs beat ten by about a point (R1 against R2) but take
-# about four more minutes (18.7 against 14.3); the preset stops at ten to keep
-# `make run` near twenty minutes with room for a slower machine (on a faster one,
-# raise `epochs`). The paper's
-# schedule with averaging (R3) and the linear decay (R2) came within a point of each
-# other, R3 ahead; with one run each that is a tie, and the preset keeps the paper's
-# recipe. Averaging helped the paper's schedule, and moved the linear decay's scores
-# by less than a point, either way (R1, R2). The length penalty $\alpha = 1.0$ beat
-# the paper's 0.6 in all seven comparisons of the table, by 0.2 to 0.4, and the
-# outputs were still slightly shorter than the references, so the `cpu` preset uses
-# 1.0. Not tuned, for lack of time: the peak
-# learning rate (0.5 times the paper's formula, chosen in an earlier session), the
-# warm-up, dropout and label smoothing
-# (the paper's 0.1 each) and the batch size.
+# What they say. Twelve epochs beat ten by about a point with beam search (R1 against
+# R2; 0.4 greedy) but take about four more minutes (18.7 against 14.3); the preset stops
+# at ten to keep `make run` near twenty minutes with room for a slower machine (on a
+# faster one, raise `epochs`). The paper's schedule with averaging (R3) and the linear
+# decay (R2) came within a point of each other with beam search, R3 ahead (by 1.0
+# greedy); with one run each that is a tie, and the preset keeps the paper's recipe.
+# Averaging helped the paper's schedule, and moved the linear decay's scores by less
+# than a point, either way (R1, R2). The length penalty $\alpha = 1.0$ beat the paper's
+# 0.6 in all seven comparisons of the table, by 0.2 to 0.4, and the outputs were still
+# slightly shorter than the references, so the `cpu` preset uses 1.0. Not tuned, for
+# lack of time: the peak learning rate (0.5 times the paper's formula, chosen in an
+# earlier session), the warm-up, dropout and label smoothing (the paper's 0.1 each) and
+# the batch size.
 
 # %% [markdown]
 # ### Training the translator
@@ -3630,8 +3635,8 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # the preset and every setting, the device, the precision, the parameter count, the
 # training time and speed, the loss and validation BLEU of every epoch and of the
 # averaged weights, the test scores of the final (averaged) model with sacreBLEU's
-# signature, and the versions of torch and Python. The README's results table is copied from it,
-# so every number there can be traced to a run.
+# signature, and the versions of torch and Python. A reference run's figures go into a
+# committed record under `results/`, from which the README's tables are generated.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
