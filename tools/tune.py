@@ -90,6 +90,8 @@ def main() -> None:
         "averaged": history[-1].get("averaged"),
         "final_val_bleu_beam": round(beam_bleu, 2),
         "precision": history[-1]["precision"],
+        "epochs": len(history),
+        "plan": history[-1].get("plan"),  # None unless train_minutes planned the run
         "train_minutes": round(sum(h["seconds"] for h in history) / 60, 1),
         "minutes": round(minutes, 1),
         "torch_threads": torch.get_num_threads(),

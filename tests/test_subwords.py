@@ -1,0 +1,228 @@
+"""Sub-words (§5.1), three-way weight tying (§3.4) and the run planned to the clock."""
+
+import dataclasses
+import io
+import json
+import math
+from collections import Counter
+
+import pytest
+import subword_nmt.learn_bpe
+import torch
+from conftest import MIRROR
+
+import annotated_transformer as at
+
+# the smoke preset shrunk, with a joint sub-word vocabulary of 300 merges
+SMALL = dataclasses.replace(
+    at.SMOKE,
+    name="small-bpe",
+    d_model=16,
+    d_ff=32,
+    train_pairs=200,
+    eval_pairs=20,
+    batch_tokens=400,
+    warmup=4,
+    average_last=1,
+    bpe_merges=300,
+)
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    return at.prepare_data(SMALL, tmp_path)
+
+
+def training_word_counts(pairs: int) -> dict[str, int]:
+    """Word counts of the first training pairs, both languages, as learned_merges counts."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    text = at.load_pairs("train", MIRROR)[:pairs]
+    tokens = at.tokenize_pairs(text, at.make_tokenizers())
+    counts = Counter(t for lang in ("de", "en") for s in tokens[lang] for t in s)
+    return {t: c for t, c in sorted(counts.items()) if t.strip() and " " not in t}
+
+
+# --- BPE: the lesson's plain loop against subword-nmt --------------------------------------
+
+
+def test_the_lessons_merges_are_subword_nmts_merges_on_real_words():
+    counts = training_word_counts(300)
+    ours = at.learn_merges(counts, 400)
+    lines = io.StringIO("".join(f"{w} {c}\n" for w, c in counts.items()))
+    learned = io.StringIO()
+    subword_nmt.learn_bpe.learn_bpe(lines, learned, 400, is_dict=True)
+    theirs = [tuple(line.split()) for line in learned.getvalue().splitlines()[1:]]
+    assert len(ours) == 400 and ours == theirs
+
+
+def test_the_lessons_split_is_subword_nmts_split():
+    counts = training_word_counts(300)
+    merges = at.learn_merges(counts, 400)
+    splitter = at.bpe_splitter(merges)
+    words = [*counts, "Quantencomputer", "Hundehütte", "x"]
+    assert [at.split_word(w, merges) for w in words] == [
+        splitter.segment_tokens([w]) for w in words
+    ]
+
+
+def test_pieces_join_back_into_the_words():
+    merges = at.learn_merges({"spielen": 6, "spielt": 4, "laufen": 5, "läuft": 3}, 8)
+    vocab = at.Vocab([*at.SPECIALS, "spiel@@", "t@@", "e"], merges)
+    words = ["Kinder", "spielten", ",", "spielen", "."]
+    pieces = vocab.pieces([*words[:2], " ", *words[2:]])  # spaCy's whitespace tokens go
+    assert pieces != words and "spiel@@" in pieces
+    assert vocab.words(pieces) == words
+    assert vocab.words(["spiel@@"]) == ["spiel"]  # a piece cut off at the end still reads
+    word_vocab = at.Vocab([*at.SPECIALS, "a"])
+    assert word_vocab.pieces(words) is words and word_vocab.words(words) is words
+
+
+def test_a_sub_word_vocabulary_is_joint_saved_with_its_merges_and_knows_new_words(data, tmp_path):
+    de, en = data.vocabs["de"], data.vocabs["en"]
+    assert de is en and de.merges and len(de.merges) <= SMALL.bpe_merges
+    assert at.unknown_words("Eine Frau liest über Hundeschlitten.", data.vocabs) == []
+    path = tmp_path / "vocab.json"
+    at.save_vocab(de, path)
+    again = at.load_vocab(path)
+    assert again.itos == de.itos and again.merges == de.merges
+    assert again.fingerprint() == de.fingerprint()
+    old = tmp_path / "old.json"  # a word vocabulary saved before sub-words: a plain list
+    old.write_text(json.dumps(de.itos), encoding="utf-8")
+    assert at.load_vocab(old).merges is None
+    src, tgt = data.train[0]
+    words = data.vocabs["en"].words(data.vocabs["en"].decode(tgt[1:-1]))
+    assert " ".join(words) == " ".join(t for t in at.english_tokens([data.train_text[0][1]])[0])
+
+
+def test_translate_returns_words_or_pieces(data):
+    at.set_seed(0)
+    model = at.model_for(SMALL, data.vocabs).eval()
+    sources = [src for src, _ in data.val[:3]]
+    pieces = at.translate(model, sources, data.vocabs, pieces=True)
+    words = at.translate(model, sources, data.vocabs)
+    assert words == [data.vocabs["en"].words(p) for p in pieces]
+    assert all(not w.endswith(at.SEPARATOR) for sentence in words for w in sentence)
+    assert at.readable("Quant@@") == "Quant-" and at.readable("computer") == "computer"
+
+
+# --- three-way tying (§3.4) ----------------------------------------------------------------
+
+
+def test_a_joint_vocabulary_ties_both_embeddings_and_the_output_as_one_tensor(data):
+    model = at.model_for(SMALL, data.vocabs)
+    shared = model.tgt_embed[0].embedding.weight
+    assert model.src_embed[0].embedding.weight is shared
+    assert model.generator.proj.weight is shared
+    tokens = torch.tensor([[5, 6, 7]])
+    expected = shared[tokens] * math.sqrt(SMALL.d_model)  # the paper's sqrt(d_model) holds
+    assert torch.equal(model.src_embed[0](tokens), expected)
+    assert torch.equal(model.tgt_embed[0](tokens), expected)
+    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, tie_output=False)
+    untied = at.make_model(50, 50, config)
+    tied = at.make_model(
+        50, 50, dataclasses.replace(config, tie_output=True, share_embeddings=True)
+    )
+    assert untied.src_embed[0].embedding.weight is not untied.tgt_embed[0].embedding.weight
+    # three 50 x 16 matrices became one, counted once
+    assert at.count_parameters(untied) - at.count_parameters(tied) == 2 * 50 * 16
+
+
+def test_sharing_embeddings_needs_one_vocabulary():
+    with pytest.raises(ValueError, match="one vocabulary"):
+        at.make_model(50, 60, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, share_embeddings=True))
+
+
+# --- the run planned to the clock ----------------------------------------------------------
+
+
+def make_plan(settings, data, data_dir):
+    """plan_run on the CPU with the run's own validation batches."""
+    cpu = torch.device("cpu")
+    val_batches = at.validation_batches(data, settings, cpu)
+    criterion = at.training_loss(settings, data.vocabs)
+    return at.plan_run(settings, data, data_dir, cpu, val_batches, criterion)
+
+
+def fake_speed(tokens_per_second: float, validation_seconds: float):
+    """measure_speed as a fake clock would report it; the real one times real batches."""
+
+    def measure(*args, **kwargs):
+        return {"tokens_per_second": tokens_per_second, "validation_seconds": validation_seconds}
+
+    return measure
+
+
+def test_the_plan_fits_the_epochs_to_the_minutes(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(at, "measure_speed", fake_speed(100.0, 2.0))
+    settings = dataclasses.replace(SMALL, train_minutes=1.0, average_last=2, precision="fp32")
+    epoch_tokens = sum(len(tgt) - 1 for _, tgt in data.train)
+    epoch_seconds = epoch_tokens / 100.0 + 2.0
+    plan = make_plan(settings, data, tmp_path)
+    assert plan["epochs"] == max(1, int((60.0 - 2.0) // epoch_seconds))
+    assert plan["epochs"] * epoch_seconds + 2.0 <= 60.0 or plan["epochs"] == 1
+    fitted = dataclasses.replace(settings, epochs=plan["epochs"])
+    assert plan["steps"] == at.planned_steps(fitted, data.train)
+    assert "ending about" in capsys.readouterr().out
+    saved = json.loads((at.checkpoint_dir(settings, tmp_path) / "plan.json").read_text())
+    assert saved == plan
+
+
+def test_a_faster_machine_plans_more_epochs(data, tmp_path, monkeypatch):
+    settings = dataclasses.replace(SMALL, train_minutes=2.0, precision="fp32")
+    epochs = []
+    for speed in (50.0, 100.0, 400.0):
+        monkeypatch.setattr(at, "measure_speed", fake_speed(speed, 1.0))
+        epochs.append(make_plan(settings, data, tmp_path)["epochs"])
+    assert epochs == sorted(epochs) and epochs[0] < epochs[-1]
+
+
+def test_a_machine_too_slow_for_the_budget_is_told_so_in_one_line(
+    data, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(at, "measure_speed", fake_speed(1.0, 1.0))
+    settings = dataclasses.replace(SMALL, train_minutes=1.0, precision="fp32")
+    plan = make_plan(settings, data, tmp_path)
+    assert plan["epochs"] == 1
+    warning = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "1 epoch(s) fit in 1 minutes" in warning[0]
+
+
+def test_the_records_say_what_a_short_run_reached(tmp_path):
+    record = {"kind": "make run", "val_bleu_history": [1.1, 7.2, 15.8, 23.7, 27.6, 31.7]}
+    (tmp_path / "make-run-cpu-somewhere.json").write_text(json.dumps(record))
+    settings = dataclasses.replace(at.get_settings("cpu"), train_minutes=20.0)
+    line = at.too_slow(settings, 2, tmp_path)
+    assert "make-run-cpu-somewhere.json had validation BLEU 7 after 2, 32 after 6" in line
+    assert "\n" not in line and "raise train_minutes" in line
+    assert "validation BLEU" not in at.too_slow(settings, 2, tmp_path / "no-records")
+
+
+def test_a_fixed_run_measures_nothing(data, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run of fixed epochs must not measure")
+
+    monkeypatch.setattr(at, "measure_speed", refuse)
+    plan = make_plan(SMALL, data, tmp_path)
+    assert plan == {"epochs": SMALL.epochs, "steps": at.planned_steps(SMALL, data.train)}
+
+
+def test_a_planned_run_ends_its_schedule_at_zero_and_a_resumed_run_keeps_its_plan(
+    data, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(at, "measure_speed", fake_speed(10000.0, 0.5))
+    settings = dataclasses.replace(SMALL, train_minutes=0.1, precision="fp32", checkpoint_steps=0)
+    model, history = at.train_model(settings, data, tmp_path, show=False)
+    plan = history[-1]["plan"]
+    assert len(history) == plan["epochs"] > 1
+    last = at.read_checkpoint(at.checkpoint_path(settings, tmp_path, "last"))
+    assert last["state"]["step"] == plan["steps"]
+    assert last["schedule"]["_last_lr"] == [0.0]  # the rate reached zero at the planned end
+
+    # another machine, ten times faster, resumes: the plan stays the one it started with
+    monkeypatch.setattr(at, "measure_speed", fake_speed(100000.0, 0.05))
+    again = make_plan(settings, data, tmp_path)
+    assert again == plan
