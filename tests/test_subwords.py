@@ -71,7 +71,7 @@ def test_the_lessons_split_is_subword_nmts_split():
 
 def test_pieces_join_back_into_the_words():
     merges = at.learn_merges({"spielen": 6, "spielt": 4, "laufen": 5, "läuft": 3}, 8)
-    vocab = at.Vocab([*at.SPECIALS, "spiel@@", "t@@", "e"], merges)
+    vocab = at.SubwordVocab([*at.SPECIALS, "spiel@@", "t@@", "e"], merges)
     words = ["Kinder", "spielten", ",", "spielen", "."]
     pieces = vocab.pieces([*words[:2], " ", *words[2:]])  # spaCy's whitespace tokens go
     assert pieces != words and "spiel@@" in pieces

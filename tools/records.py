@@ -54,7 +54,8 @@ def results_table(records: list[dict]) -> str:
         rows.append(
             f"| `{r['preset']}` | {r['machine']['short']} | {minutes(r['wall_seconds'])} "
             f"| {training} | {r['train_tokens_per_second']:,} | {r['peak_memory_gb']:.2f} GB "
-            f"| {r['val_bleu_greedy_averaged']:.1f} | {r['test2016_bleu_greedy']:.1f} "
+            f"| {r['val_bleu_greedy_averaged'] or r['val_bleu_greedy_last_epoch']:.1f} "
+            f"| {r['test2016_bleu_greedy']:.1f} "
             f"| {r['test2016_bleu_beam']:.1f} | `{r['commit']}` | `{r['command']}` |"
         )
     if not any(r["preset"] == "gpu" for r in runs):
@@ -66,22 +67,52 @@ def results_table(records: list[dict]) -> str:
 
 
 def run_summary(records: list[dict]) -> str:
-    """The sentences under the Results table, for the cpu reference run."""
-    (r,) = [r for r in records if r["kind"] == "make run" and r["preset"] == "cpu"]
-    calibration = r["calibration_seconds"]
-    first, last = r["averaged_epochs"][0], r["averaged_epochs"][-1]
-    return (
-        f"Measured on a fresh clone of commit `{r['commit']}` ({r['file']}): `make run` took "
-        f"{minutes(r['wall_seconds'])}, of which {r['train_seconds'] / 60:.1f} minutes are "
-        f"training ({r['epochs']} epochs in {r['precision']}, chosen by the calibration: one "
-        f"batch took {calibration['fp32']:.2f} s in float32 and {calibration['bf16']:.2f} s "
-        f"in bf16). Decoding the test set took {r['greedy_test2016_seconds']:.1f} s greedily "
+    """The sentences under the Results table: a paragraph per `cpu` run, newest last."""
+    runs = [r for r in records if r["kind"] == "make run" and r["preset"] == "cpu"]
+    return "\n\n".join(summary_of(r) for r in runs)
+
+
+def summary_of(r: dict) -> str:
+    """One run's paragraph: time, plan, precision, decoding, the model scored, memory."""
+    calibration, plan = r.get("calibration_seconds"), r.get("plan")
+    text = (
+        f"Measured on a fresh clone of commit `{r['commit']}` ({r['file']}, "
+        f"{r['machine']['short']}): `make run` took {minutes(r['wall_seconds'])}, of which "
+        f"{r['train_seconds'] / 60:.1f} minutes are training ({r['epochs']} epochs in "
+        f"{r['precision']}"
+    )
+    if calibration:
+        text += (
+            f", chosen by the calibration: one batch took {calibration['fp32']:.2f} s in "
+            f"float32 and {calibration['bf16']:.2f} s in bf16"
+        )
+    text += "). "
+    if plan:
+        text += (
+            f"The plan measured {plan['tokens_per_second']:,.0f} target tokens/s and fitted "
+            f"{plan['epochs']} epochs ({plan['steps']:,} steps) into {plan['train_minutes']:g} "
+            f"minutes; training then ran at {r['train_tokens_per_second']:,} target tokens/s. "
+        )
+    text += (
+        f"Decoding the test set took {r['greedy_test2016_seconds']:.1f} s greedily "
         f"and {r['beam4_test2016_seconds']:.1f} s with beam {r['beam_size']} "
-        f"(α = {r['length_penalty']}). The model is the average of epochs {first} to {last}: "
-        f"validation BLEU {r['val_bleu_greedy_averaged']:.1f} greedy, against "
-        f"{r['val_bleu_greedy_last_epoch']:.1f} for the last epoch alone. Peak memory "
-        f"{r['peak_memory_gb']:.2f} GB. sacreBLEU signature: `{r['bleu_signature']}`. "
-        "One run; BLEU varies by about ±2 between machines."
+        f"(α = {r['length_penalty']}). "
+    )
+    if r.get("averaged_epochs"):
+        first, last = r["averaged_epochs"][0], r["averaged_epochs"][-1]
+        text += (
+            f"The model is the average of epochs {first} to {last}: validation BLEU "
+            f"{r['val_bleu_greedy_averaged']:.1f} greedy, against "
+            f"{r['val_bleu_greedy_last_epoch']:.1f} for the last epoch alone. "
+        )
+    else:
+        text += (
+            f"The model is the last epoch's: validation BLEU "
+            f"{r['val_bleu_greedy_last_epoch']:.1f} greedy. "
+        )
+    return text + (
+        f"Peak memory {r['peak_memory_gb']:.2f} GB. sacreBLEU signature: "
+        f"`{r['bleu_signature']}`. One run; BLEU varies by about ±2 between machines."
     )
 
 
