@@ -82,6 +82,16 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+def prepared_data(settings, data_dir: Path, monkeypatch):
+    """The notebook's prepare_data for `settings`, from the mirror; skips without it."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    import annotated_transformer  # here, not at the top: conftest loads before the path is set
+
+    return annotated_transformer.prepare_data(settings, data_dir)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Unit-test tensors are tiny: a second thread only adds synchronisation (10-100x

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import MIRROR
+from conftest import MIRROR, prepared_data
 from torch import nn
 
 import annotated_transformer as at
@@ -20,10 +20,7 @@ SMALL = dataclasses.replace(SMALL, warmup=4, average_last=1, beam_size=3)
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
-    return at.prepare_data(SMALL, tmp_path)
+    return prepared_data(SMALL, tmp_path, monkeypatch)
 
 
 # --- the schedule ------------------------------------------------------------------------

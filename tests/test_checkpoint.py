@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MIRROR, ROOT
+from conftest import MIRROR, ROOT, prepared_data
 
 import annotated_transformer as at
 
@@ -31,10 +31,7 @@ TINY = at.Settings(
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
-    return at.prepare_data(TINY, tmp_path)
+    return prepared_data(TINY, tmp_path, monkeypatch)
 
 
 def parameters(model):

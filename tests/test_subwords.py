@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import subword_nmt.learn_bpe
 import torch
-from conftest import MIRROR
+from conftest import MIRROR, prepared_data
 
 import annotated_transformer as at
 
@@ -30,10 +30,7 @@ SMALL = dataclasses.replace(
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
-    return at.prepare_data(SMALL, tmp_path)
+    return prepared_data(SMALL, tmp_path, monkeypatch)
 
 
 def training_word_counts(pairs: int) -> dict[str, int]:
