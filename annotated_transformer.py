@@ -3595,7 +3595,9 @@ def without_words(scorer, banned: list[int]):
 # matters: a chunk runs until its slowest sentence ends, so sentences of similar length
 # should share one. A chunk holds 100 sentences: with 4 beams each, beam search over
 # chunks of 200 took about 0.9 GB more memory than the model, chunks of 100 less than
-# half of that.
+# half of that. For a sub-word vocabulary it also glues the pieces back into words,
+# unless asked for the pieces (`pieces=True`, for the heatmaps). The cell is folded: it
+# is bookkeeping around `beam_search`; open it to read it.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
