@@ -2793,10 +2793,9 @@ def planned_steps(settings: Settings, pairs: list, world_size: int = 1) -> int:
 MIN_USEFUL_EPOCHS = 3  # a planned run of fewer epochs gets a warning
 
 
-def measure_speed(settings, data, device, val_batches, criterion, precision, steps=12) -> dict:
-    """Time a throwaway model of the preset's size on real batches: training target
+def measure_speed(model, settings, data, device, val_batches, criterion, precision, steps=12):
+    """Time `model`, a throwaway of the preset's size, on real batches: training target
     tokens per second, and the seconds that one epoch's validation takes."""
-    model = model_for(settings, data.vocabs).to(device)
     optimizer, schedule = make_optimizer(
         model, dataclasses.replace(settings, schedule="inverse_sqrt")
     )
@@ -2837,7 +2836,7 @@ def plan_run(settings, data, data_dir, device, val_batches, criterion, world_siz
         raise ValueError("train_minutes plans one process's run: set epochs to train on several")
     probe = model_for(settings, data.vocabs).to(device)
     precision = choose_precision(settings, device, probe, val_batches[0], criterion, [])
-    speed = measure_speed(settings, data, device, val_batches, criterion, precision)
+    speed = measure_speed(probe, settings, data, device, val_batches, criterion, precision)
     epoch_tokens = sum(len(tgt) - 1 for _, tgt in data.train)  # targets after <s>
     epoch_seconds = epoch_tokens / speed["tokens_per_second"] + speed["validation_seconds"]
     averaging = speed["validation_seconds"] if settings.average_last > 1 else 0.0

@@ -153,6 +153,18 @@ def fake_speed(tokens_per_second: float, validation_seconds: float):
     return measure
 
 
+def test_measure_speed_times_real_training_steps_and_a_validation_pass(data):
+    cpu = torch.device("cpu")
+    model = at.model_for(SMALL, data.vocabs)
+    before = [p.detach().clone() for p in model.parameters()]
+    val_batches = at.validation_batches(data, SMALL, cpu)
+    criterion = at.training_loss(SMALL, data.vocabs)
+    speed = at.measure_speed(model, SMALL, data, cpu, val_batches, criterion, "fp32", steps=2)
+    assert speed["tokens_per_second"] > 0 and speed["validation_seconds"] > 0
+    # it trained the throwaway model it was given: the weights moved
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_the_plan_fits_the_epochs_to_the_minutes(data, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(at, "measure_speed", fake_speed(100.0, 2.0))
     settings = dataclasses.replace(SMALL, train_minutes=1.0, average_last=2, precision="fp32")
