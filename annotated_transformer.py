@@ -99,6 +99,11 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 #    hardware and results (§5, §6), shared sub-word vocabularies, learned positions
 # 12. [Part 4: training on several GPUs (and several machines)][part-4] (§5.2)
 #
+# Most parts end with exercises that check themselves: a starter cell with a gap
+# marked ✎, a folded solution and a check. Run All passes because each solution, placed
+# between its starter and its check, fills the gap; to check your own answer, run your
+# starter and then the check, skipping the solution.
+#
 # [part-3]: #Part-3:-a-real-task,-German-to-English-on-Multi30k
 # [part-4]: #Part-4:-training-on-several-GPUs-(and-several-machines)
 #
@@ -1067,6 +1072,87 @@ def count_parameters(model: nn.Module) -> int:
 # del base
 
 # %% [markdown]
+# ### Exercises
+#
+# Each exercise has a starter cell with a gap marked ✎, a folded solution and a check.
+# Run All passes because the solution, between the starter and the check, fills the
+# gap; to check your own answer, run your starter and then the check, skipping the
+# solution.
+#
+# `filled` is the checks' first test: it stops with a clear message while a gap is
+# still empty.
+
+# %% active="ipynb"
+# def filled(answer):
+#     """An exercise's answer, after checking that its gap (✎) is no longer empty."""
+#     assert answer is not ..., "the gap (✎) is still empty: fill it in, run the starter again"
+#     return answer
+
+# %% [markdown]
+# **1.1 A decoder layer's parameters.** The cell above counted an encoder layer's
+# parameters by hand. Do the same for a decoder layer: write its count as a formula of
+# $d_{\text{model}}$ and $d_{ff}$, without building a layer. Look at `DecoderLayer` for
+# what it holds that an encoder layer does not.
+
+# %% active="ipynb" tags=["starter"]
+# def decoder_layer_parameters(d_model: int, d_ff: int) -> int:
+#     """Weights and biases of one DecoderLayer, by formula."""
+#     return ...  # ✎ your formula
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def decoder_layer_parameters(d_model: int, d_ff: int) -> int:
+#     """Weights and biases of one DecoderLayer, by formula."""
+#     attention = 4 * (d_model * d_model + d_model)  # W_Q, W_K, W_V, W_O and their biases
+#     feed_forward = (d_model * d_ff + d_ff) + (d_ff * d_model + d_model)
+#     norms = 3 * 2 * d_model  # three sub-layers, each with a LayerNorm's gain and bias
+#     return 2 * attention + feed_forward + norms  # self- and encoder-decoder attention
+
+# %% active="ipynb" tags=["check"]
+# for d_model, d_ff in [(512, 2048), (16, 40)]:
+#     layer = DecoderLayer(ModelConfig(d_model=d_model, d_ff=d_ff, h=4))
+#     assert filled(decoder_layer_parameters(d_model, d_ff)) == count_parameters(layer)
+# print(f"a base decoder layer: {decoder_layer_parameters(512, 2048):,} parameters")
+
+# %% [markdown]
+# **1.2 Why multiply the embeddings by $\sqrt{d_{\text{model}}}$?** The paper
+# says that it does (§3.4), not why. Measure one effect: with `make_model`'s
+# initialisation, how large are the token embeddings beside the positional encodings,
+# whose values have a root-mean-square of about 0.71? Write `embedding_rms`, the
+# root-mean-square of the source embedding's output for every word of the vocabulary,
+# with or without the scaling (the table itself is `model.src_embed[0].embedding`).
+
+# %% active="ipynb" tags=["starter"]
+# def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
+#     """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
+#     return ...  # ✎ your measurement
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
+#     """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
+#     table = model.src_embed[0].embedding.weight  # (V, d_model)
+#     scale = math.sqrt(table.size(1)) if scaled else 1.0
+#     return (table * scale).pow(2).mean().sqrt().item()
+
+# %% active="ipynb" tags=["check"]
+# torch.manual_seed(0)
+# sized = make_model(8000, 6000, ModelConfig(N=1))  # the base width, 512
+# plain, scaled = filled(embedding_rms(sized, scaled=False)), embedding_rms(sized, scaled=True)
+# xavier = math.sqrt(2 / (8000 + 512))  # Glorot-uniform's root-mean-square for this table
+# assert math.isclose(plain, xavier, rel_tol=0.01)
+# assert math.isclose(scaled / plain, math.sqrt(512), rel_tol=1e-6)  # float32 rounding
+# print(f"root-mean-square {plain:.3f} unscaled, {scaled:.2f} scaled; the positions' 0.71")
+# del sized
+
+# %% [markdown]
+# Unscaled, the words would start about 45 times quieter than their positions; scaled,
+# half as loud. (Other initialisations change the numbers: fairseq's `Embedding`, in
+# `fairseq/models/transformer/transformer_base.py`, draws the table with a standard
+# deviation of $d_{\text{model}}^{-1/2}$, so that the same scaling brings the words to
+# a root-mean-square of 1.)
+
+# %% [markdown]
 # ## Part 2: training machinery
 #
 # Now the parts that turn the model into something that learns: batches with masks,
@@ -1639,6 +1725,67 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 
 
 # %% [markdown]
+# ### Exercises
+#
+# Each starter has a gap marked ✎; its folded solution, run before the check, is
+# there for Run All.
+#
+# **2.1 The peak of the schedule.** The paper's rate (§5.3) rises for `warmup` steps,
+# then decays. At which step is it highest, and how high? Work it out from the formula,
+# and write it without calling `rate`.
+
+# %% active="ipynb" tags=["starter"]
+# def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
+#     """(the step at which the paper's rate is highest, that rate), by formula."""
+#     return ...  # ✎ your (step, rate)
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
+#     """(the step at which the paper's rate is highest, that rate), by formula."""
+#     # step ** -0.5 falls and step * warmup ** -1.5 rises; they meet at step = warmup
+#     return warmup, d_model**-0.5 * warmup**-0.5
+
+# %% active="ipynb" tags=["check"]
+# for d_model, warmup in [(512, 4000), (256, 400)]:
+#     step, peak = filled(peak_of_rate(d_model, warmup))
+#     rates = [rate(s, d_model=d_model, warmup=warmup) for s in range(1, 3 * warmup)]
+#     assert step == 1 + int(np.argmax(rates)) and math.isclose(peak, max(rates))
+# print(f"the base model's rate peaks at step 4,000: {peak_of_rate(512, 4000)[1]:.2e}")
+
+# %% [markdown]
+# **2.2 What the padding mask protects.** Write `padding_mask`, the mask that lets
+# attention read every real token and no padding. The check measures what it is for:
+# change the ids at the padded positions, and the encoder's outputs at the real
+# positions must not move; with a mask that hides nothing, they do.
+
+# %% active="ipynb" tags=["starter"]
+# def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
+#     """(B, S) token ids -> (B, 1, S): True where attention may read."""
+#     return ...  # ✎ your mask
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
+#     """(B, S) token ids -> (B, 1, S): True where attention may read."""
+#     return (ids != pad_id).unsqueeze(-2)
+
+# %% active="ipynb" tags=["check"]
+# torch.manual_seed(0)
+# pad_model = make_model(11, 11, ModelConfig(N=2, d_model=16, d_ff=32, h=4, dropout=0.0)).eval()
+# padded = torch.tensor([[5, 6, 7, 0, 0]])  # three words, then two pads (pad_id 0)
+# other = torch.tensor([[5, 6, 7, 9, 4]])  # the same words, other ids where the pads were
+# mask = filled(padding_mask(padded, pad_id=0))
+# assert mask.shape == (1, 1, 5) and mask.dtype == torch.bool
+# with torch.no_grad():
+#     moved = [  # the largest change at the three real positions
+#         (pad_model.encode(padded, m) - pad_model.encode(other, m))[:, :3].abs().max().item()
+#         for m in (mask, torch.ones_like(mask))
+#     ]
+# print(f"real positions moved by {moved[0]:.1e} with the mask, {moved[1]:.2f} without")
+# assert moved[0] < 1e-6 and moved[1] > 0.01
+
+# %% [markdown]
 # ## A first test: the copy task
 #
 # Before real data, a warm-up that isolates the machinery: the model sees a random
@@ -1696,16 +1843,22 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 
 # %%
 def train_copy_task(
-    epochs: int = 30, batches_per_epoch: int = 40, seed: int = SEED, *, make_batch=copy_batch
+    epochs: int = 30,
+    batches_per_epoch: int = 40,
+    seed: int = SEED,
+    *,
+    make_batch=copy_batch,
+    config: ModelConfig | None = None,
 ):
     """Train a small Transformer to copy digit sequences; return it.
 
-    make_batch draws the batches (another one serves the experiment below)."""
+    make_batch draws the batches (another one serves the experiment below); config
+    changes the model (an exercise tries one)."""
     set_seed(seed)
-    config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
+    config = config or ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
     model = make_model(COPY_VOCAB, COPY_VOCAB, config)
     steps = epochs * math.ceil(batches_per_epoch / 2)  # two micro-batches a step
-    plan = Settings(name="copy", d_model=64, warmup=100, schedule="linear")
+    plan = Settings(name="copy", d_model=config.d_model, warmup=100, schedule="linear")
     optimizer, schedule = make_optimizer(model, plan, total_steps=steps)
     criterion = LabelSmoothing(COPY_VOCAB, COPY_PAD, smoothing=0.0)
     data = torch.Generator().manual_seed(seed)
@@ -1780,6 +1933,67 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # print(f"loss with the answer in view: {peeking_loss:.4f}; copied exactly: {copied_share:.0%}")
 # assert peeking_loss < 0.1 and copied_share < 0.1
 
+
+# %% [markdown]
+# ### Exercises
+#
+# Each starter has a gap marked ✎; its folded solution, run before the check, is
+# there for Run All. Each trains a copy model, about half a minute.
+#
+# **3.1 Pre-norm copies too.** Our sub-layers are post-norm, as in the paper. Give
+# `train_copy_task` a `ModelConfig` of the same size with pre-norm sub-layers
+# (`ModelConfig` has the switch) and measure whether the model still copies.
+
+# %% active="ipynb" tags=["starter"]
+# prenorm_config = ...  # ✎ the copy model's ModelConfig, with pre-norm sub-layers
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# prenorm_config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0, pre_norm=True)
+
+# %% active="ipynb" tags=["check"]
+# assert filled(prenorm_config).pre_norm, "ask ModelConfig for pre-norm sub-layers"
+# prenorm_model = train_copy_task(config=prenorm_config)
+# assert isinstance(prenorm_model.encoder.final_norm, nn.LayerNorm)  # pre-norm's last norm
+# copied = greedy_decode(prenorm_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
+# prenorm_share = (copied == held_out.src).all(dim=1).float().mean().item()
+# print(f"pre-norm copied {prenorm_share:.0%} of the 100 held-out sequences exactly")
+# assert prenorm_share > 0.9
+
+# %% [markdown]
+# **3.2 Reverse instead of copy.** Make a task the model cannot solve by reading the
+# source in step: the target is the source's digits in reverse order, between the same
+# `<s>` and `</s>`. Write `reversed_words`; `reverse_batch` uses it, and the check
+# trains on it and measures how many held-out sequences come back reversed.
+
+# %% active="ipynb" tags=["starter"]
+# def reversed_words(seq: Tensor) -> Tensor:
+#     """(B, L + 2) rows <s> w_1 ... w_L </s> -> <s> w_L ... w_1 </s>."""
+#     return ...  # ✎ your reversal
+#
+#
+# def reverse_batch(batch_size: int, length: int, generator: torch.Generator) -> Batch:
+#     """Random sequences; the target is the source, its digits reversed."""
+#     seq = copy_batch(batch_size, length, generator).src
+#     return Batch(src=seq, tgt=filled(reversed_words(seq)), pad_id=COPY_PAD)
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def reversed_words(seq: Tensor) -> Tensor:
+#     """(B, L + 2) rows <s> w_1 ... w_L </s> -> <s> w_L ... w_1 </s>."""
+#     return torch.cat([seq[:, :1], seq[:, 1:-1].flip(1), seq[:, -1:]], dim=1)
+
+# %% active="ipynb" tags=["check"]
+# row = copy_batch(1, 4, torch.Generator().manual_seed(0)).src[0].tolist()
+# assert filled(reversed_words(torch.tensor([row])))[0].tolist() == [row[0], *row[-2:0:-1], row[-1]]
+# reversing_model = train_copy_task(make_batch=reverse_batch)
+# test = reverse_batch(100, 10, torch.Generator().manual_seed(12345))
+# output = greedy_decode(reversing_model, test.src, test.src_mask, 12, ids=COPY_IDS)
+# expected = reversed_words(test.src)  # (100, 12), <s> and </s> included
+# same = (output == expected).all(dim=1) if output.shape == expected.shape else torch.zeros(1)
+# reversed_share = same.float().mean().item()
+# print(f"reversed {reversed_share:.0%} of the 100 held-out sequences exactly")
+# assert reversed_share > 0.9
 
 # %% [markdown]
 # ## Part 3: a real task, German to English on Multi30k
@@ -2979,6 +3193,7 @@ def train_epoch(run: Run, position: Position) -> dict:
         "train_loss": loss_sum / tokens,
         "val_loss": val_loss,
         "val_bleu": validation_bleu(run.model, run.data) if run.rank == 0 else None,
+        "watched": watched_translations(run.model, run.data) if run.rank == 0 else None,
         "seconds": seconds,
         "tokens": int(tokens),
         "precision": run.precision,
@@ -3142,6 +3357,87 @@ def average_last_epochs(run: Run) -> None:
         print(f"average of epochs {epochs[0]}-{epochs[-1]}: ", end="")
         print(f"val loss {average['val_loss']:.3f}, val BLEU {average['val_bleu']:.1f}")
 
+
+# %% [markdown]
+# ### Exercises
+#
+# Each starter has a gap marked ✎; its folded solution, run before the check, is
+# there for Run All.
+#
+# **4.1 What `min_freq` trades.** A word seen fewer than `min_freq` times in training
+# stays out of the vocabulary and becomes `<unk>`. Measure the trade for English: the
+# vocabulary's size, and the share of validation tokens it lacks, for `min_freq` 1, 2
+# and 5.
+
+# %% active="ipynb" tags=["starter"]
+# def vocabulary_trade_off(min_freq: int) -> tuple[int, float]:
+#     """(English vocabulary size, share of English validation tokens it lacks)."""
+#     vocab = build_vocab(tokens["train"]["en"], min_freq)
+#     return ...  # ✎ your (size, share)
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def vocabulary_trade_off(min_freq: int) -> tuple[int, float]:
+#     """(English vocabulary size, share of English validation tokens it lacks)."""
+#     vocab = build_vocab(tokens["train"]["en"], min_freq)
+#     val = [token for sentence in tokens["val"]["en"] for token in sentence]
+#     return len(vocab), sum(token not in vocab.stoi for token in val) / len(val)
+
+# %% active="ipynb" tags=["check"]
+# trade = {m: filled(vocabulary_trade_off(m)) for m in (1, 2, 5)}
+# print(pd.DataFrame(trade, index=["words", "unknown share"]).T.round(4))
+# size, share = trade[2]
+# vocab = build_vocab(tokens["train"]["en"], 2)
+# ids = [i for sentence in tokens["val"]["en"] for i in vocab.encode(sentence)]
+# assert size == len(vocab) and math.isclose(share, ids.count(vocab.unk_id) / len(ids))
+# assert trade[1][0] > trade[2][0] > trade[5][0] and trade[1][1] < trade[2][1] < trade[5][1]
+
+# %% [markdown]
+# **4.2 What sorting by length saves.** `bucket_batches` sorts the pairs by length
+# before it cuts batches. Write `random_batches`, which cuts them in a random order
+# under the same token budget (padding included), and compare the padding efficiency
+# of both on the full training split.
+
+# %% active="ipynb" tags=["starter"]
+# def random_batches(pairs: list[Pair], batch_tokens: int, seed: int) -> list[list[int]]:
+#     """Index lists in a random order, each within batch_tokens, padding included."""
+#     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+#     batches, current, longest = [], [], 0
+#     for i in order:
+#         length = max(len(pairs[i][0]), len(pairs[i][1]))
+#         fits = ...  # ✎ True if `current` plus pair i stays within batch_tokens, padded
+#         if not filled(fits):
+#             batches.append(current)
+#             current, longest = [], 0
+#         current.append(i)
+#         longest = max(longest, length)
+#     return [*batches, current] if current else batches
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def random_batches(pairs: list[Pair], batch_tokens: int, seed: int) -> list[list[int]]:
+#     """Index lists in a random order, each within batch_tokens, padding included."""
+#     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+#     batches, current, longest = [], [], 0
+#     for i in order:
+#         length = max(len(pairs[i][0]), len(pairs[i][1]))
+#         fits = not current or max(longest, length) * (len(current) + 1) <= batch_tokens
+#         if not fits:
+#             batches.append(current)
+#             current, longest = [], 0
+#         current.append(i)
+#         longest = max(longest, length)
+#     return [*batches, current] if current else batches
+
+# %% active="ipynb" tags=["check"]
+# unsorted = filled(random_batches(full_train, settings.batch_tokens, seed=0))
+# assert sorted(i for b in unsorted for i in b) == list(range(len(full_train))), "each pair once"
+# assert all(unsorted), "an empty batch: the first pair of a batch always fits"
+# lengths = [max(len(full_train[i][0]), len(full_train[i][1])) for i in range(len(full_train))]
+# assert all(len(b) * max(lengths[i] for i in b) <= settings.batch_tokens for b in unsorted)
+# unsorted_efficiency = padding_efficiency(full_train, unsorted)
+# print(f"real tokens: {unsorted_efficiency:.0%} in random order, {efficiency:.0%} sorted")
+# assert unsorted_efficiency < efficiency
 
 # %% [markdown]
 # ## Translating and scoring
@@ -3698,7 +3994,10 @@ def bleu_scores(hypotheses: list[list[str]], references: list[str], ref_tokens) 
 # %% [markdown]
 # `validation_bleu` is the score that training prints after every epoch: greedy
 # decoding of the validation split, sacreBLEU only. On the `cpu` preset it costs a few
-# seconds per epoch, against minutes of training.
+# seconds per epoch, against minutes of training. After every epoch, training also
+# keeps the greedy translations of three short validation sentences
+# (`watched_translations`), a fraction of a second's work; "Watch it learn", after
+# the training charts, shows them epoch by epoch.
 
 
 # %%
@@ -3710,6 +4009,15 @@ def validation_bleu(model, data: Multi30k) -> float:
     return sacrebleu.metrics.BLEU().corpus_score(detokenized, [references]).score
 
 
+WATCHED_SENTENCES = (1, 6, 14)  # short validation sentences, translated after every epoch
+
+
+def watched_translations(model, data: Multi30k) -> list[str]:
+    """Greedy translations of those WATCHED_SENTENCES that the split holds, as text."""
+    sources = [data.val[i][0] for i in WATCHED_SENTENCES if i < len(data.val)]
+    return [detokenize(words) for words in translate(model, sources, data.vocabs)]
+
+
 # %% active="ipynb"
 # assert detokenize(["A", "man", "in", "a", "t", "-", "shirt", "does", "n't", "sit", "."]) == (
 #     "A man in a t-shirt doesn't sit."
@@ -3718,6 +4026,66 @@ def validation_bleu(model, data: Multi30k) -> float:
 # assert math.isclose(perfect["bleu"], 100.0) and math.isclose(
 #     perfect["bleu_lowercase_tokenized"], 100.0
 # )
+
+# %% [markdown]
+# ### Exercises
+#
+# Each starter has a gap marked ✎; its folded solution, run before the check, is
+# there for Run All.
+#
+# **5.1 When does beam search prefer the shorter sentence?** Two finished
+# translations: a short one of 5 words (`</s>` included) with a total log-probability
+# of −3.0, and a long one of 9 words with −4.0. Beam search ranks finished sentences by
+# their log-probability divided by `length_penalty` of their length. Without the
+# penalty ($\alpha = 0$) the short one wins. Find the $\alpha$ at which the two tie:
+# above it the long one wins.
+
+# %% active="ipynb" tags=["starter"]
+# tie_alpha = ...  # ✎ your alpha, to three decimals or better
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# # -3 / ((5 + 5) / 6) ** a = -4 / ((5 + 9) / 6) ** a  <=>  (14 / 10) ** a = 4 / 3
+# tie_alpha = math.log(4 / 3) / math.log(14 / 10)
+
+# %% active="ipynb" tags=["check"]
+# def ranked_score(log_prob: float, length: int, alpha: float) -> float:
+#     return log_prob / length_penalty(torch.tensor(float(length)), alpha).item()
+#
+#
+# for alpha, winner in [(filled(tie_alpha) - 0.001, "short"), (tie_alpha + 0.001, "long")]:
+#     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
+#     assert (short > long) == (winner == "short"), (alpha, short, long)
+# print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
+
+# %% [markdown]
+# **5.2 BLEU's brevity penalty.** Precision alone would reward a translation that
+# says only what it is sure of, so BLEU multiplies by a brevity penalty: $1$ if the
+# hypotheses' total length $c$ exceeds the references' $r$, else $e^{1 - r/c}$
+# (Papineni et al., 2002). Write it, then see what it costs to drop the last two
+# tokens of every sentence: the check scores the validation references, so cut,
+# against themselves.
+
+# %% active="ipynb" tags=["starter"]
+# def brevity_penalty(hypothesis_length: int, reference_length: int) -> float:
+#     """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
+#     return ...  # ✎ your penalty
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def brevity_penalty(hypothesis_length: int, reference_length: int) -> float:
+#     """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
+#     if hypothesis_length > reference_length:
+#         return 1.0
+#     return math.exp(1 - reference_length / hypothesis_length)
+
+# %% active="ipynb" tags=["check"]
+# references = [en for _, en in data.val_text]
+# cut = [" ".join(sentence.split()[:-2]) for sentence in references]
+# score = sacrebleu.metrics.BLEU().corpus_score(cut, [references])
+# penalty = filled(brevity_penalty(score.sys_len, score.ref_len))
+# assert math.isclose(penalty, score.bp, rel_tol=1e-6) and brevity_penalty(12, 10) == 1.0
+# print(f"BLEU {score.score:.1f}: every n-gram is right, but the penalty is {penalty:.2f}")
 
 # %% [markdown]
 # ## Training on a budget
@@ -4047,12 +4415,36 @@ def average_weights(state_dicts: list[dict]) -> dict:
 
 
 # %% [markdown]
+# ### Watch it learn
+#
+# The three watched validation sentences, translated greedily after every epoch, and
+# their references in the last row. Read down a column: the first epochs write the
+# commonest words of the captions in some order ("A man in a ..."), then the sentence
+# takes shape, then the rarer words arrive. With the `smoke` preset the model stays
+# at the babbling stage; the `cpu` preset gets much further. A run trained before
+# this record existed has no watched translations: the cell says so.
+
+# %% active="ipynb"
+# watched = [h.get("watched") for h in history]
+# if None in watched:
+#     print("this run kept no watched translations: delete its checkpoints to train again")
+# else:
+#     learning = pd.DataFrame(
+#         [*watched, [data.val_text[i][1] for i in WATCHED_SENTENCES]],
+#         index=[f"epoch {h['epoch']}" for h in history] + ["reference"],
+#         columns=[data.val_text[i][0] for i in WATCHED_SENTENCES],
+#     )
+#     assert learning.shape == (len(history) + 1, len(WATCHED_SENTENCES))
+#     display(learning.style.set_properties(**{"text-align": "left"}))
+
+
+# %% [markdown]
 # ## The trained translator
 #
-# `model` is now the finished translator: with the `cpu` preset, the average of the
-# weights at the end of its last three epochs. This section looks at what it does, first
-# on sentences whose reference translation we know, then on sentences of your own, and
-# last, once, on the test set.
+# `model` is now the finished translator: with the `cpu` preset, the weights at the
+# end of its last epoch (the `gpu` preset averages its last epochs). This section
+# looks at what it does, first on sentences whose reference translation we know, then
+# on sentences of your own, and last, once, on the test set.
 #
 # ### Example translations
 #
@@ -4221,6 +4613,7 @@ def run_record(settings, model, history, test_results, device) -> dict:
         "train_tokens_per_second": sum(h["tokens"] for h in history) / max(train_seconds, 1e-9),
         "val_loss": history[-1]["val_loss"],
         "val_bleu_history": [h["val_bleu"] for h in history],
+        "watched": [h.get("watched") for h in history],  # "Watch it learn"; None: not kept
         "precision": history[-1].get("precision"),
         "plan": history[-1].get("plan"),  # the epochs and the speed measured to plan them
         "averaged": history[-1].get("averaged"),  # the model scored below, if it averaged
@@ -4307,14 +4700,20 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 
 
 # %% [markdown]
-# `attention_chart` turns the weights into a table with one row per cell of every
-# heatmap (layer, head, query token, key token, weight) and lets Altair draw *small
-# multiples*: one heatmap per head, side by side, and one row of them per layer, all
-# on the same colour scale from 0 to 1 so that they can be compared at a glance.
+# `attention_explorer` draws one heatmap with two menus, *layer* and *head*: pick
+# one and the chart redraws with that head's weights. The menus are Altair
+# parameters bound to inputs, so the browser redraws the chart by itself, with no
+# Python behind it: they work in JupyterLab and just as well in the exported page,
+# offline. Every head of every layer travels with the chart, in a table with one row
+# per layer and (query, key) cell and one column of weights per head;
+# `transform_fold` turns the head columns into rows in the browser, and the filter
+# keeps the layer and head chosen. One row per cell instead of one per head and cell
+# writes each pair of labels once rather than `h` times, which keeps the page small.
 #
 # Tokens label the axes in sentence order. A number in front of each keeps repeated
-# words (two "a"s, say) apart and in place. Hover over a cell to see the query and key
-# tokens, the layer, the head and the weight.
+# words (two "a"s, say) apart and in place. The colour scale runs from 0 to 1 for
+# every head, so heads can be compared. Hover over a cell to see the query and key
+# tokens and the weight.
 
 
 # %%
@@ -4324,41 +4723,45 @@ def readable(token: str) -> str:
 
 
 # %%
-def attention_chart(weights, queries: list[str], keys: list[str], *, title: str, layers):
-    """Small multiples: one heatmap per (layer, head), rows are layers; weights as in maps."""
+def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str], title: str):
+    """One heatmap with a layer and a head menu; weights: one (h, T_q, T_k) per layer."""
     query_labels = [f"{i:02d} {readable(t)}" for i, t in enumerate(queries)]
     key_labels = [f"{j:02d} {readable(t)}" for j, t in enumerate(keys)]
+    heads = [str(head) for head in range(weights[0].size(0))]
     rows = [
-        {
-            "layer": layer,
-            "head": head,
-            "query": query_labels[i],
-            "key": key_labels[j],
-            "weight": round(weights[layer][head, i, j].item(), 4),
-        }
-        for layer in layers
-        for head in range(weights[layer].size(0))
+        {"layer": layer, "query": query_labels[i], "key": key_labels[j]}
+        | {head: round(w[int(head), i, j].item(), 3) for head in heads}
+        for layer, w in enumerate(weights)
         for i in range(len(queries))
         for j in range(len(keys))
     ]
-    side = 14 * max(len(queries), len(keys)) // 2 + 40  # pixels
+    layer = alt.param(
+        name="layer",
+        value=len(weights) - 1,  # the last layer first
+        bind=alt.binding_select(options=list(range(len(weights))), name="layer "),
+    )
+    head = alt.param(
+        name="head", value=0, bind=alt.binding_select(options=list(range(len(heads))), name="head ")
+    )
+    side = 14 * max(len(queries), len(keys)) + 40  # pixels
     return (
-        alt.Chart(pd.DataFrame(rows))
+        alt.Chart(pd.DataFrame(rows), title=title)
+        .add_params(layer, head)
+        .transform_fold(heads, as_=["head", "weight"])  # a row per head: its name and weight
+        .transform_filter(f"datum.layer == {layer.name} && toNumber(datum.head) == {head.name}")
         .mark_rect()
         .encode(
             x=alt.X("key:N", sort=key_labels, title="key"),
             y=alt.Y("query:N", sort=query_labels, title="query"),
             color=alt.Color("weight:Q", scale=alt.Scale(scheme="blues", domain=[0, 1])),
-            tooltip=["query", "key", "layer", "head", "weight"],
+            tooltip=["query:N", "key:N", alt.Tooltip("weight:Q", format=".3f")],
         )
         .properties(width=side, height=side)
-        .facet(row="layer:O", column="head:O", title=title)
     )
 
 
 # %% [markdown]
-# The sentence, its translation and its maps. We show the first and the last layer
-# only (for the `cpu` preset, 2 layers × 8 heads per chart). The cell checks what a
+# The sentence, its translation and its maps. The cell checks what a
 # heatmap must satisfy whatever the model learned: one weight per (query, key) pair,
 # each query's weights summing to 1, and no weights left behind in the model once the
 # maps are taken. Bear in mind that attention weights show where a head reads, not
@@ -4370,7 +4773,6 @@ def attention_chart(weights, queries: list[str], keys: list[str], *, title: str,
 # sentence_ids = german_ids(ATTENTION_SENTENCE, data.vocabs)
 # src_tokens, tgt_tokens, maps = translate_with_attention(model, sentence_ids, data.vocabs)
 # print("German: ", " ".join(src_tokens), "\nEnglish:", " ".join(tgt_tokens))
-# shown_layers = sorted({0, settings.N - 1})  # the first and the last layer
 # assert maps["encoder-decoder attention"][0].shape == (
 #     settings.h,
 #     len(tgt_tokens) - 1,
@@ -4390,22 +4792,23 @@ def attention_chart(weights, queries: list[str], keys: list[str], *, title: str,
 
 
 # %%
-def show_attention(kind: str, maps: dict, axes: dict, layers: list[int]) -> None:
-    """Draw one kind of attention of the sentence above, for the given layers."""
+def show_attention(kind: str, maps: dict, axes: dict) -> None:
+    """Draw the explorer of one kind of attention of the sentence above."""
     queries, keys = axes[kind]
-    display(attention_chart(maps[kind], queries, keys, title=kind.capitalize(), layers=layers))
+    display(attention_explorer(maps[kind], queries, keys, title=kind.capitalize()))
 
 
 # %% [markdown]
 # **Encoder self-attention.** Each German token (query, rows) looks at the German
-# sentence (keys, columns). Look for heads in the first layer that attend mostly to the
-# word itself or its neighbours (bright cells along and beside the diagonal): they
-# gather local context, such as an article and its noun. Heads in the last layer tend to
-# spread wider. Columns that are bright for every row, often the final "." or `</s>`,
-# are a common pattern too: a head with nothing useful to find parks its weight there.
+# sentence (keys, columns). Pick layer 0 and step through its heads: look for heads
+# that attend mostly to the word itself or its neighbours (bright cells along and
+# beside the diagonal): they gather local context, such as an article and its noun.
+# Heads in the last layer tend to spread wider. Columns that are bright for every
+# row, often the final "." or `</s>`, are a common pattern too: a head with nothing
+# useful to find parks its weight there.
 
 # %% active="ipynb"
-# show_attention("encoder self-attention", maps, axes, shown_layers)
+# show_attention("encoder self-attention", maps, axes)
 
 # %% [markdown]
 # **Decoder self-attention.** English queries look at the English tokens written so
@@ -4413,19 +4816,85 @@ def show_attention(kind: str, maps: dict, axes: dict, layers: list[int]) -> None
 # no position sees the future. Many heads attend to the previous word or to `<s>`.
 
 # %% active="ipynb"
-# show_attention("decoder self-attention", maps, axes, shown_layers)
+# show_attention("decoder self-attention", maps, axes)
 
 # %% [markdown]
 # **Encoder-decoder attention.** Each English position (rows) chooses which German words
 # (columns) to read while predicting the next word. German and English captions put most
 # words in a similar order, so in a trained model some heads of the last layer trace a
-# rough diagonal: an alignment between the two sentences that nobody taught the model.
+# rough diagonal (step through the heads of the last layer, which the chart shows
+# first): an alignment between the two sentences that nobody taught the model.
 # Where German order differs (a verb sent to the end of a clause, say), the bright cell
 # jumps away from the diagonal. Note that row $i$ is the step that *predicts* English
 # token $i + 1$: the row labelled with `<s>` is where the first English word is chosen.
 
 # %% active="ipynb"
-# show_attention("encoder-decoder attention", maps, axes, shown_layers)
+# show_attention("encoder-decoder attention", maps, axes)
+
+# %% [markdown]
+# ### Exercises
+#
+# Each starter has a gap marked ✎; its folded solution, run before the check, is
+# there for Run All.
+#
+# **6.1 The most focused head.** A head that reads one key per query is focused; one
+# that spreads its weight evenly is diffuse. Score each head by the entropy of its
+# weights in bits, averaged over its queries (0: one key per query; $\log_2 n$: even
+# over $n$ keys), and find the most focused and the most diffuse head of each layer
+# of the encoder.
+
+# %% active="ipynb" tags=["starter"]
+# def head_entropy(weights: Tensor) -> Tensor:
+#     """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
+#     return ...  # ✎ your entropy
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def head_entropy(weights: Tensor) -> Tensor:
+#     """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
+#     terms = weights * torch.log2(weights)
+#     return -torch.where(weights > 0, terms, 0.0).sum(-1).mean(-1)  # 0 log 0 is 0
+
+# %% active="ipynb" tags=["check"]
+# even, one_hot = torch.full((1, 3, 4), 0.25), torch.eye(4)[None, :3]
+# assert torch.allclose(filled(head_entropy(even)), torch.tensor([2.0]))
+# assert torch.equal(head_entropy(one_hot), torch.tensor([0.0]))
+# for layer, w in enumerate(maps["encoder self-attention"]):
+#     bits = head_entropy(w)
+#     assert ((0 <= bits) & (bits <= math.log2(w.size(-1)) + 1e-5)).all()
+#     print(f"layer {layer}: most focused head {bits.argmin()} ({bits.min():.2f} bits), ", end="")
+#     print(f"most diffuse head {bits.argmax()} ({bits.max():.2f} bits)")
+
+# %% [markdown]
+# **6.2 A head that aligns.** Define a score for how well a cross-attention head
+# follows the diagonal: the share of queries (English positions, rows) whose strongest
+# key (German position) lies within one position of the diagonal, stretched to the two
+# lengths. For query $i$ of $T_q$ the diagonal is at key
+# $\mathrm{round}(i (T_k - 1) / (T_q - 1))$. Then find the best-aligned head of the
+# last layer in the explorer above, and look at it.
+
+# %% active="ipynb" tags=["starter"]
+# def diagonal_score(weights: Tensor) -> Tensor:
+#     """(h, T_q, T_k) -> (h,): share of queries whose strongest key is within 1 of the diagonal."""
+#     return ...  # ✎ your score
+
+# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# # Solution: skip this cell to check your own answer.
+# def diagonal_score(weights: Tensor) -> Tensor:
+#     """(h, T_q, T_k) -> (h,): share of queries whose strongest key is within 1 of the diagonal."""
+#     _, T_q, T_k = weights.shape
+#     diagonal = torch.round(torch.arange(T_q) * (T_k - 1) / max(T_q - 1, 1))
+#     return ((weights.argmax(-1) - diagonal).abs() <= 1).float().mean(-1)
+
+# %% active="ipynb" tags=["check"]
+# square = torch.eye(6)
+# assert torch.equal(filled(diagonal_score(square[None])), torch.tensor([1.0]))
+# anti = diagonal_score(square.flip(1)[None]).item()  # the anti-diagonal: rows 2 and 3 of 6
+# assert math.isclose(anti, 2 / 6, rel_tol=1e-6)
+# assert diagonal_score(torch.eye(12)[::2][None]).item() == 1.0  # 6 queries over 12 keys
+# cross = maps["encoder-decoder attention"][-1]
+# scores = diagonal_score(cross)
+# print(f"last layer: head {scores.argmax()} aligns best, {scores.max():.0%} of its rows")
 
 # %% [markdown]
 # ## What the paper did that we do not

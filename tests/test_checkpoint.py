@@ -40,7 +40,7 @@ def parameters(model):
 
 def test_two_epochs_equal_one_epoch_plus_resume(data, tmp_path, capsys):
     cpu = torch.device("cpu")
-    straight, _ = at.train_model(TINY, data, tmp_path / "a", device=cpu, show=False)
+    straight, straight_history = at.train_model(TINY, data, tmp_path / "a", device=cpu, show=False)
     one = dataclasses.replace(TINY, epochs=1)
     at.train_model(one, data, tmp_path / "b", device=cpu, show=False)
     resumed, history = at.train_model(TINY, data, tmp_path / "b", device=cpu, show=False)
@@ -48,6 +48,12 @@ def test_two_epochs_equal_one_epoch_plus_resume(data, tmp_path, capsys):
     assert [h["epoch"] for h in history] == [0, 1]
     a, b = parameters(straight), parameters(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # "Watch it learn": every epoch keeps its translations of the watched sentences,
+    # the first epoch's through the resume too
+    watched = [h["watched"] for h in history]
+    assert [len(w) for w in watched] == [len(at.WATCHED_SENTENCES)] * 2
+    assert all(isinstance(t, str) for w in watched for t in w)
+    assert watched == [h["watched"] for h in straight_history]
 
 
 def test_checkpoint_round_trip_and_refusals(data, tmp_path):

@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 
 sys.path.insert(0, str(ROOT / "tools"))
 import export_html  # noqa: E402
-from lab_browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
+from lab_browser import CHROMIUM, CHROMIUM_FLAGS, offline_page  # noqa: E402
 
 BUILD = ROOT / "build" / "smoke"
 OFFLINE_FLAGS = ["--headless", *CHROMIUM_FLAGS]
@@ -50,6 +50,16 @@ def test_markdown_images_are_embedded_in_the_page(tmp_path):
     data = base64.b64encode((ROOT / FIGURE).read_bytes()).decode("ascii")
     assert text.count(f'src="data:image/svg+xml;base64,{data}"') == 2
     assert FIGURE not in text, "the page would need the file"
+
+
+def test_a_remote_image_becomes_its_alt_text_and_keeps_its_link(tmp_path):
+    markdown = "[![Open In Colab](https://example.org/badge.svg)](https://example.org/open)"
+    source = markdown_notebook(tmp_path / "badge.ipynb", markdown)
+    export_html.export(source, tmp_path / "badge.html")
+    page = BeautifulSoup((tmp_path / "badge.html").read_text(encoding="utf-8"), "html.parser")
+    (link,) = page.select("div.jp-RenderedMarkdown a")
+    assert link.get_text() == "Open In Colab" and link["href"] == "https://example.org/open"
+    assert page.find("img") is None
 
 
 def test_a_missing_markdown_image_stops_the_export(tmp_path):
@@ -155,17 +165,26 @@ def test_page_is_self_contained(page):
     text = html.read_text(encoding="utf-8")
     assert charts == len(export_html.chart_specs(notebook)) == 10
     assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
+    assert not re.search(r'<img[^>]*src="https?://', text), "an image would need the network"
     assert "window.vegaEmbed" in text and "<math" in text
     assert text.count('<details class="folded-code">') >= 10  # the plumbing, one click away
 
 
-def test_heatmaps_have_tooltips_for_every_field(page):
+def explorers(notebook) -> list[dict]:
+    """The specs of the attention explorers: the charts with a layer and a head menu."""
+    specs = export_html.chart_specs(notebook)
+    return [s for s in specs if {p["name"] for p in s.get("params", [])} == {"layer", "head"}]
+
+
+def test_explorers_bind_layer_and_head_menus_and_show_the_words(page):
     notebook, _, _ = page
-    heatmaps = [s for s in export_html.chart_specs(notebook) if "facet" in s]
-    assert len(heatmaps) == 3  # encoder, decoder and encoder-decoder attention
-    for spec in heatmaps:
-        fields = {t["field"] for t in spec["spec"]["encoding"]["tooltip"]}
-        assert fields == {"query", "key", "layer", "head", "weight"}
+    charts = explorers(notebook)
+    assert len(charts) == 3  # encoder, decoder and encoder-decoder attention
+    for spec in charts:
+        binds = {p["name"]: p["bind"]["input"] for p in spec["params"]}
+        assert binds == {"layer": "select", "head": "select"}
+        fields = {t["field"] for t in spec["encoding"]["tooltip"]}
+        assert fields == {"query", "key", "weight"}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
@@ -212,3 +231,34 @@ def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
         check=True,
     )
     assert screenshot.stat().st_size > 20_000  # a blank page compresses to under 10 kB
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
+def test_explorer_menus_redraw_the_chart_offline(page):
+    """In the exported page, with the network cut, choosing another head redraws the
+    cross-attention explorer; the screenshot shows it after the change."""
+    notebook, html, charts = page
+    heads = max(explorers(notebook)[-1]["params"][1]["bind"]["options"])
+    with offline_page(height=1400) as (browser, blocked):
+        browser.goto(html.as_uri())
+        chart = browser.locator(f"#altair-chart-{charts - 1}")  # the last chart of the page
+        cells = chart.locator("g.mark-rect path")
+        cells.first.wait_for(timeout=30_000)
+
+        def colours() -> list[str]:
+            return cells.evaluate_all("paths => paths.map(p => p.getAttribute('fill'))")
+
+        before = colours()
+        chart.locator("select[name='head']").select_option(str(heads))
+        browser.wait_for_function(
+            "([selector, old]) => [...document.querySelectorAll(selector)]"
+            ".map(p => p.getAttribute('fill')).join() !== old",
+            arg=[f"#altair-chart-{charts - 1} g.mark-rect path", ",".join(before)],
+            timeout=10_000,
+        )
+        after = colours()
+        chart.scroll_into_view_if_needed()
+        chart.screenshot(path=BUILD / "explorer_last_head.png")
+        assert len(after) == len(before) > 0 and after != before
+        assert blocked == [], "the page reached for the network"
+    assert (BUILD / "explorer_last_head.png").stat().st_size > 5_000

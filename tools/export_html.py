@@ -3,9 +3,10 @@
 nbconvert's page loads require.js and MathJax from a CDN, and it cannot draw Altair's
 Vega-Lite outputs at all. This script makes the page self-contained: formulas become
 MathML (which browsers draw natively), every chart becomes a vega-embed call, the
-Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once, and
+Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once,
 images that markdown cells link by a relative path (figures/*.svg) become data: URIs,
-and the code of cells tagged `hide-input` is folded into a <details> block ("show code").
+images from the network (a badge) become their alt text, and the code of cells tagged
+`hide-input` is folded into a <details> block ("show code").
 
     python tools/export_html.py build/annotated_transformer.ipynb build/annotated_transformer.html
 """
@@ -38,6 +39,15 @@ ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\
 REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
 # An <img> whose src has no scheme (no data:, no https:) is a file the page would need.
 LOCAL_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="(?![a-zA-Z][a-zA-Z0-9+.-]*:)([^"]*)"')
+# An <img> from the network (the Colab badge): offline it would be a broken image.
+REMOTE_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="https?://[^"]*"[^>]*>')
+ALT = re.compile(r'\salt="([^"]*)"')
+
+
+def image_to_text(match: re.Match) -> str:
+    """A remote image becomes its alt text, so a badge's link still reads "Open In Colab"."""
+    alt = ALT.search(match.group(0))
+    return alt.group(1) if alt else ""
 
 
 def math_to_mathml(markdown: str) -> str:
@@ -136,7 +146,8 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})
     if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
-    body = fold_markdown_notes(fold_hidden_inputs(REMOTE_SCRIPT.sub("", body)))
+    body = REMOTE_IMAGE.sub(image_to_text, REMOTE_SCRIPT.sub("", body))
+    body = fold_markdown_notes(fold_hidden_inputs(body))
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
     bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])

@@ -1,0 +1,104 @@
+"""The notebook's exercises: each starter, folded solution and check, and checks that fail
+on an untouched starter.
+
+nbval (`make test`) runs every solution and check. Here the notebook runs once more with
+its solution cells removed: every check must then stop with its AssertionError, and no
+other cell may fail, so no lesson cell depends on an exercise.
+"""
+
+import os
+
+import nbformat
+import pytest
+from conftest import ROOT
+from nbclient import NotebookClient
+
+NOTEBOOK = ROOT / "annotated_transformer.ipynb"
+GAP = "✎"
+# the parts that end with exercises: the heading of each, and how many it has at least
+PARTS = {
+    "## Part 1: the model": 2,
+    "## Part 2: training machinery": 2,
+    "## A first test: the copy task": 2,
+    "## Part 3: a real task": 2,
+    "## Translating and scoring": 2,
+    "## Looking inside: attention heatmaps": 2,
+}
+
+
+def tags(cell) -> set[str]:
+    return set(cell.metadata.get("tags", []))
+
+
+def exercise_cells(notebook) -> list[tuple[str, str, object]]:
+    """(part heading, role, cell) of every starter, solution and check, in order."""
+    part, found = None, []
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            heading = next((p for p in PARTS if cell.source.startswith(p)), None)
+            part = heading or (None if cell.source.startswith("## ") else part)
+        roles = tags(cell) & {"starter", "solution", "check"}
+        if roles:
+            found.append((part, roles.pop(), cell))
+    return found
+
+
+def test_every_part_has_its_exercises_in_starter_solution_check_order():
+    found = exercise_cells(nbformat.read(NOTEBOOK, as_version=4))
+    roles = [role for _, role, _ in found]
+    assert len(roles) % 3 == 0
+    triples = [roles[i : i + 3] for i in range(0, len(roles), 3)]
+    assert all(t == ["starter", "solution", "check"] for t in triples), triples
+    starters = [part for part, role, _ in found if role == "starter"]
+    for part, least in PARTS.items():
+        assert starters.count(part) >= least, part
+    for _, role, cell in found:
+        assert cell.cell_type == "code"
+        if role == "starter":
+            assert GAP in cell.source and "..." in cell.source
+        if role == "solution":  # folded in the page and in JupyterLab
+            assert "hide-input" in tags(cell) and cell.metadata["jupyter"]["source_hidden"]
+            assert GAP not in cell.source
+        if role == "check":
+            assert "filled(" in cell.source  # the first test: a clear message on a gap
+
+
+@pytest.fixture(scope="module")
+def without_solutions(tmp_path_factory):
+    """The notebook run top to bottom with the smoke preset and no solution cells."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    notebook.cells = [c for c in notebook.cells if "solution" not in tags(c)]
+    build = tmp_path_factory.mktemp("starters")
+    saved = {k: os.environ.get(k) for k in ("AT_PRESET", "AT_BUILD_DIR")}
+    os.environ.update(AT_PRESET="smoke", AT_BUILD_DIR=str(build))  # the kernel inherits them
+    try:
+        client = NotebookClient(
+            notebook, timeout=900, allow_errors=True, resources={"metadata": {"path": str(ROOT)}}
+        )
+        client.execute()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return notebook
+
+
+def errors(cell) -> list[dict]:
+    return [o for o in cell.get("outputs", []) if o.output_type == "error"]
+
+
+def test_every_check_fails_on_its_untouched_starter(without_solutions):
+    checks = [c for c in without_solutions.cells if "check" in tags(c)]
+    assert len(checks) >= 2 * len(PARTS)
+    for cell in checks:
+        (error,) = errors(cell)
+        assert error.ename == "AssertionError" and "gap" in error.evalue, (cell.source, error)
+
+
+def test_only_the_checks_fail_without_the_solutions(without_solutions):
+    failed = [
+        c.source[:80] for c in without_solutions.cells if errors(c) and "check" not in tags(c)
+    ]
+    assert failed == [], "these cells need a solution, or failed for another reason"
