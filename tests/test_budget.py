@@ -290,9 +290,25 @@ def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypa
         # a run planned to the clock is at least MIN_USEFUL_EPOCHS long, or it warns
         epochs = at.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
         steps = at.planned_steps(dataclasses.replace(settings, epochs=epochs), ours)
+        if settings.train_minutes:  # a planned run fits its warm-up to its plan
+            settings = at.fit_warmup(settings, steps)
         # (a planned run of MIN_USEFUL_EPOCHS ends its warm-up before it ends)
         assert settings.warmup < (steps if settings.train_minutes else steps / 3), settings.name
         at.make_optimizer(nn.Linear(2, 2), settings, total_steps=steps)
+
+
+@pytest.mark.parametrize("steps", [100, 1142, 1143, 5000])
+def test_fit_warmup_cuts_a_short_plans_warmup_and_keeps_the_peak(steps):
+    preset = at.Settings(name="t", d_model=256, warmup=800, lr_factor=0.7071, schedule="linear")
+    fitted = at.fit_warmup(preset, steps)
+    assert fitted.warmup == min(800, int(0.7 * steps)) and fitted.warmup < steps
+    peak = at.rate(800, d_model=256, warmup=800, factor=0.7071)
+    rates = [
+        at.linear_rate(s, d_model=256, warmup=fitted.warmup, total=steps, factor=fitted.lr_factor)
+        for s in range(1, steps + 2)  # the rate after the last step too
+    ]
+    assert math.isclose(max(rates), peak, rel_tol=1e-12) and rates[-1] == 0.0
+    assert rates.index(max(rates)) + 1 == fitted.warmup
 
 
 def test_translate_never_writes_unk_unless_allowed(data):
