@@ -275,9 +275,10 @@ SMOKE = Settings(
 # half the paper's width, half its depth and a quarter of its feed-forward width, for
 # `train_minutes=16`. Before training, the run measures this machine's speed and plans
 # as many epochs as fit ("The training loop" in Part 3): on the 2-core AMD EPYC of the
-# second tuning that is 6 epochs (1,152 optimizer steps in its `make run`, against
-# the paper's 100,000). So short a run warms up for fewer steps, decays its rate linearly to zero
-# at the planned end, clips gradients and measures whether bf16 is faster.
+# second tuning that was 6 epochs in one `make run` and 5 in another, whose speed probe
+# ran slower (1,152 and 960 optimizer steps, against the paper's 100,000). So short a
+# run warms up for fewer steps, decays its rate linearly to zero at the planned end,
+# clips gradients and measures whether bf16 is faster.
 # "Training on a budget" in Part 3 says why, and how each setting was chosen on the
 # validation split, including the sub-word vocabulary it tried and did not keep.
 
@@ -3390,7 +3391,7 @@ def average_last_epochs(run: Run) -> None:
 
 # %% active="ipynb" tags=["check"]
 # trade = {m: filled(vocabulary_trade_off(m)) for m in (1, 2, 5)}
-# print(pd.DataFrame(trade, index=["words", "unknown share"]).T.round(4))
+# print(pd.DataFrame.from_dict(trade, orient="index", columns=["words", "unknown share"]))
 # vocab = build_vocab(tokens["train"]["en"], 2)
 # ids = [i for sentence in tokens["val"]["en"] for i in vocab.encode(sentence)]
 # assert trade[2][0] == len(vocab) and math.isclose(trade[2][1], ids.count(vocab.unk_id) / len(ids))

@@ -91,8 +91,11 @@ def summary_of(r: dict) -> str:
         text += (
             f"The plan measured {plan['tokens_per_second']:,.0f} target tokens/s and fitted "
             f"{plan['epochs']} epochs ({plan['steps']:,} steps) into {plan['train_minutes']:g} "
-            f"minutes; training then ran at {r['train_tokens_per_second']:,} target tokens/s. "
+            f"minutes"
         )
+        if "warmup" in plan:  # the warm-up the plan left (fit_warmup), from session 7 on
+            text += f", {plan['warmup']:,} of them warming up"
+        text += f"; training then ran at {r['train_tokens_per_second']:,} target tokens/s. "
     text += (
         f"Decoding the test set took {r['greedy_test2016_seconds']:.1f} s greedily "
         f"and {r['beam4_test2016_seconds']:.1f} s with beam {r['beam_size']} "
