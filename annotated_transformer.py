@@ -1090,8 +1090,8 @@ def count_parameters(model: nn.Module) -> int:
 #     return answer
 
 # %% [markdown]
-# **1.1 A decoder layer's parameters.** The cell above counted an encoder layer's
-# parameters by hand. Do the same for a decoder layer: write its count as a formula of
+# **1.1 A decoder layer's parameters.** The base-model cell above counted an encoder
+# layer's parameters by hand. Do the same for a decoder layer: write its count as a formula of
 # $d_{\text{model}}$ and $d_{ff}$, without building a layer. Look at `DecoderLayer` for
 # what it holds that an encoder layer does not.
 
@@ -1931,7 +1931,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # ### Exercises
 #
 # Each starter has a gap marked ✎; its folded solution, run before the check, is
-# there for Run All. Each trains a copy model, about half a minute.
+# there for Run All. Each check trains a copy model, which takes under a minute.
 #
 # **3.1 Pre-norm copies too.** Our sub-layers are post-norm, as in the paper. Give
 # `train_copy_task` a `ModelConfig` of the same size with pre-norm sub-layers
