@@ -209,6 +209,13 @@ def test_the_records_say_what_a_short_run_reached(tmp_path):
     assert "\n" not in line and "raise train_minutes" in line
     assert "validation BLEU" not in at.too_slow(settings, 2, tmp_path / "no-records")
 
+    # a record trained with the preset's layer norm comes first, whatever its name
+    same = {**record, "settings": {"pre_norm": settings.pre_norm}, "val_bleu_history": [9, 19]}
+    (tmp_path / "make-run-cpu-zz-same-norm.json").write_text(json.dumps(same))
+    assert "zz-same-norm.json had validation BLEU 9 after 1, 19 after 2" in at.too_slow(
+        settings, 1, tmp_path
+    )
+
 
 def test_a_fixed_run_measures_nothing(data, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
