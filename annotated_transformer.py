@@ -4342,6 +4342,8 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # pairs = zip(e["E6"]["val_bleu_greedy_per_epoch"], e["E1"]["val_bleu_greedy_per_epoch"])
 # assert [late > early for late, early in pairs] == [True, True, False, True, True, True]
 # assert e["E7"]["changes"]["seed"] == 2 and e["E7"]["val_bleu_greedy_last_epoch"] == 34.37
+
+# %% active="ipynb"
 # # pre-norm, 200 warm-up steps: 20.6 after 2 epochs against E6's 8.6, then level at 6
 # pre, post = e["E8"]["val_bleu_greedy_per_epoch"], e["E6"]["val_bleu_greedy_per_epoch"]
 # assert (pre[1], post[1], pre[-1], e["E12"]["val_bleu_greedy_last_epoch"]) == (
