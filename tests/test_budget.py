@@ -281,7 +281,9 @@ def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypa
         pytest.skip(f"no Multi30k mirror at {MIRROR}")
     monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
     # the first cpu preset: ten epochs over a word vocabulary, the notebook's chart
-    first = dataclasses.replace(at.get_settings("cpu"), bpe_merges=0, train_minutes=None, epochs=10)
+    first = dataclasses.replace(
+        at.get_settings("cpu"), bpe_merges=0, batch_tokens=2500, train_minutes=None, epochs=10
+    )
     pairs = at.prepare_data(first, tmp_path).train
     assert len(pairs) > 28_000
     assert at.planned_steps(first, pairs) == at.CPU_PRESET_STEPS
