@@ -3096,12 +3096,14 @@ def too_slow(settings: Settings, epochs: int, results: Path = Path("results")) -
     line = f"warning: only {epochs} epoch(s) fit in {settings.train_minutes:g} minutes here"
     paths = sorted(Path(results).glob(f"make-run-{settings.name}-*.json"))
     records = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in paths}
-    # a record of the same layer norm first: post-norm runs started far slower (E10, E11)
-    same = {
-        n: r.get("settings", {}).get("pre_norm", False) == settings.pre_norm
-        for n, r in records.items()
-    }
-    for name in sorted(records, key=lambda n: not same[n]):
+
+    def unlike(name: str) -> tuple[bool, int]:
+        """The layer norm first (post-norm runs started far slower: E10, E11), then size."""
+        kept = records[name].get("settings", {})
+        sizes = sum(kept.get(k) != getattr(settings, k) for k in ("N", "d_model", "d_ff", "h"))
+        return kept.get("pre_norm", False) != settings.pre_norm, sizes
+
+    for name in sorted(records, key=unlike):
         history = records[name].get("val_bleu_history", [])
         if len(history) > epochs:
             line += f"; results/{name} had validation BLEU {history[epochs - 1]:.0f} "
@@ -4313,9 +4315,10 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # decay, and `plan_run` chose its epochs (E3, a first probe, got 8 minutes). The
 # table is drawn from `results/tuning-cpu-epyc.json`; one run per row,
 # validation split only. Greedy BLEU is given for the last epoch and for the average
-# of the last three; beam search (4, $\alpha = 1.0$) ran on the average. E5 to E16
+# of the last three; beam search (4, $\alpha = 1.0$) ran on the average. E5 to E20
 # came later, with the preset that no longer averages: their beam search ran on the
-# last epoch. E10 and E11 were planned to 8 minutes, which gave 3 epochs, about what a
+# last epoch. E17 to E20 compare model sizes (point 7), on another machine of the
+# same kind. E10 and E11 were planned to 8 minutes, which gave 3 epochs, about what a
 # CPU half as fast would fit into 16; E16 to 24 minutes, what a CPU 1.5 times as fast
 # would.
 
@@ -4541,7 +4544,9 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # speed = {k: mean(e[k]["tokens_per_second_per_epoch"]) for k in ("E17", "E18", "E20")}
 # assert [round(speed[k], -1) for k in ("E17", "E18", "E20")] == [4190, 3910, 2040]
 # assert [round(speed[k] / speed["E20"], 1) for k in ("E17", "E18")] == [2.1, 1.9]
-#
+
+# %% [markdown]
+# ### Training the translator
 #
 # Now everything is in place. With the `cpu` preset the next cell first prints its
 # plan: the precision, the speed it measured, how many epochs fit in `train_minutes`

@@ -215,6 +215,13 @@ def test_the_records_say_what_a_short_run_reached(tmp_path):
     assert "zz-same-norm.json had validation BLEU 9 after 1, 19 after 2" in at.too_slow(
         settings, 1, tmp_path
     )
+    # then a record of the preset's own model size
+    size = {k: getattr(settings, k) for k in ("pre_norm", "N", "d_model", "d_ff", "h")}
+    own = {**record, "settings": size, "val_bleu_history": [12, 25, 30]}
+    (tmp_path / "make-run-cpu-zzz-same-size.json").write_text(json.dumps(own))
+    assert "zzz-same-size.json had validation BLEU 12 after 1, 30 after 3" in at.too_slow(
+        settings, 1, tmp_path
+    )
 
 
 def test_a_fixed_run_measures_nothing(data, tmp_path, monkeypatch):
