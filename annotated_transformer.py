@@ -4490,10 +4490,11 @@ def average_weights(state_dicts: list[dict]) -> dict:
 #   and words it trained smoothly there, where E4 (post-norm, sub-words, a peak of
 #   $5 \times 10^{-3}$) had diverged. Its matrix products do about 2.6 times fewer
 #   multiply-adds per token (the cell below counts them), and it trained about twice
-#   as many target tokens a second as E20, 4,190 and 3,910 against 2,040: the parts
-#   of a step that do not shrink with the width (dropout's random masks, the softmax
-#   over 6,191 English words, the optimizer, the cost of launching each operation)
-#   weigh more in a narrow model. It fitted 10 and 9 epochs where E20 fitted 4, and
+#   as many target tokens a second as E20, 4,190 and 3,910 against 2,040. Most likely
+#   the parts of a step that shrink less with the width (dropout's random masks, the
+#   softmax over 6,191 English words, the optimizer, the cost of launching each
+#   operation) weigh more in a narrow model; we did not record how much each costs.
+#   It fitted 10 and 9 epochs where E20 fitted 4, and
 #   the two seeds ended at 36.1 and 35.1 greedy (37.6 and 36.7 with beam search),
 #   against E20's 31.2 (32.7). On the steadier machine of session 9, E14 and E15 had
 #   fitted 6 epochs of the wide model and ended at 34.7; the narrow model is ahead of
