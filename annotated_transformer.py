@@ -276,7 +276,8 @@ SMOKE = Settings(
 # width), a feed-forward width of 256 and 4 heads, for `train_minutes=16`. That is the
 # shape of a published text-only baseline for Multi30k (Wu et al., 2021; point 7 of
 # "Training on a budget"). Before training, the run measures this machine's speed and
-# plans as many epochs as fit ("The training loop" in Part 3): on the 2-core AMD EPYC
+# plans as many epochs as fit, then corrects the plan after each epoch from the time
+# the epochs really took ("The training loop" in Part 3): on the 2-core AMD EPYC
 # of the tuning that was 9 or 10 epochs, as its speed probe read: 2,817 or 3,130
 # optimizer steps of about 1,300 target tokens (the paper: 100,000 of about 25,000).
 # So short a run warms up for fewer steps, decays its rate linearly to zero at the
@@ -2883,9 +2884,19 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
 # step: the shape that Li, Yumer and Ramanan's "Budgeted Training" found robust for
 # runs of a length fixed in advance ("Training on a budget"). A plan too short for the
 # preset's warm-up warms up for `WARMUP_SHARE` of its steps instead, at the same peak
-# rate (`fit_warmup`). A resumed run reads `plan.json`
-# and keeps its plan, so its schedule is the one it started with, even on a faster
-# machine. A run planned for fewer than `MIN_USEFUL_EPOCHS` epochs says so in one
+# rate (`fit_warmup`).
+#
+# Twelve steps are a short probe, and a shared machine does not keep one speed. On the
+# 2-core EPYC of the tuning, the probe read 30% above the speed that E19 then trained
+# at, so E19 ran 18.5 of its 16 minutes; the `make run` of `38358f3` trained 6% faster
+# than its probe, and ended two minutes early, an epoch short. So after each epoch
+# past the warm-up, `replan` takes the time the epochs so far really took, validation
+# included, and fits the epochs left to the minutes left, keeping at least one more so
+# that the rate still reaches zero. When the count changes, `aim_decay` makes the rate
+# fall in a straight line from where it is to zero at the new last step, the run
+# prints its new plan, and `plan.json` is rewritten. A resumed run reads `plan.json`
+# and keeps its plan, re-plans included, so its schedule is the one it was following,
+# even on a faster machine. A run planned for fewer than `MIN_USEFUL_EPOCHS` epochs says so in one
 # line, with what the committed record of a `make run` reached after that many (a
 # record trained with the preset's own layer norm first). With
 # `train_minutes=None` the run trains exactly `epochs` and measures nothing, which is
@@ -2902,14 +2913,16 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
 # > * `Position` says where a run stands in an epoch; `Run` keeps the pieces of one run
 # >   together (the loss and the mixed-precision context among them, each made once)
 # >   and saves them;
-# > * `measure_speed` and `plan_run` make the plan described above;
+# > * `measure_speed` and `plan_run` make the plan described above, and `replan` and
+# >   `aim_decay` change it after an epoch;
 # > * `train_epoch` collates the epoch's batches, counts each optimizer step's tokens,
 # >   calls `run_epoch` from Part 2 with a `LoopExtras` that holds the clipping, the
 # >   mixed precision, the progress bar and two fields for resuming: `after_step`,
 # >   which writes a checkpoint every `checkpoint_steps` optimizer steps, and `totals`,
 # >   the loss and token totals of the batches done before a resume. Then it measures
 # >   the validation loss with `evaluate`;
-# > * `train_model` loops over the epochs and prints a line after each.
+# > * `train_model` loops over the epochs and prints a line after each; in a planned
+# >   run, `replan_run` then re-plans.
 # >
 # > What they add to Part 2's `run_epoch` is bookkeeping only: the arithmetic of a
 # > training step is exactly the one you have read there.
@@ -2932,16 +2945,21 @@ def seed_of_rank(seed: int, rank: int) -> int:
     return seed + 7919 * (rank + 1)
 
 
-def start_or_resume(settings, vocabs, device, data_dir, *, rank=0, world_size=1, total_steps=None):
+def start_or_resume(
+    settings, vocabs, device, data_dir, *, rank=0, world_size=1, total_steps=None, decay=None
+):
     """Model, optimizer, schedule, state, history and position: fresh or from `last.pt`.
 
-    total_steps: the run's planned optimizer steps, where a linear schedule reaches zero.
+    total_steps: the run's planned optimizer steps, where a linear schedule reaches zero;
+    decay: where a re-planned run re-aimed that decay (`aim_decay`), or None.
     """
     set_seed(settings.seed)
     model = model_for(settings, vocabs).to(device)  # the same initial weights on every rank
     set_seed(seed_of_rank(settings.seed, rank))  # but different dropout masks per rank
     fused = device.type == "cuda"
     optimizer, schedule = make_optimizer(model, settings, fused, world_size, total_steps)
+    if decay is not None:
+        aim_decay(schedule, **decay)
     state, history, position = TrainState(), [], Position(epoch=0)
     last = checkpoint_path(settings, data_dir, "last")
     if last.is_file():
@@ -3071,13 +3089,17 @@ def plan_run(settings, data, data_dir, device, val_batches, criterion, world_siz
     averaging = speed["validation_seconds"] if settings.average_last > 1 else 0.0
     epochs = max(1, int((60 * settings.train_minutes - averaging) // epoch_seconds))
     seconds = epochs * epoch_seconds + averaging
+    steps = planned_steps(dataclasses.replace(settings, epochs=epochs), data.train)
+    fitted = fit_warmup(settings, steps)
     plan = {
         "train_minutes": settings.train_minutes,
         **speed,
         "precision": precision,
         "epoch_seconds": epoch_seconds,
         "epochs": epochs,
-        "steps": planned_steps(dataclasses.replace(settings, epochs=epochs), data.train),
+        "steps": steps,
+        "warmup": fitted.warmup,
+        "lr_factor": fitted.lr_factor,
         "planned_seconds": seconds,
         "made": time.strftime("%Y-%m-%d %H:%M"),
     }
@@ -3110,6 +3132,39 @@ def too_slow(settings: Settings, epochs: int, results: Path = Path("results")) -
             line += f"after {epochs}, {history[-1]:.0f} after {len(history)}"
             break
     return line + "; raise train_minutes, or expect a weak translator"
+
+
+def aim_decay(schedule, *, from_step: int, from_rate: float, to_step: int) -> None:
+    """From LambdaLR's step `from_step` on, fall in a straight line from `from_rate`
+    to zero at `to_step` (LambdaLR never asks again for an earlier step)."""
+    span = to_step - from_step
+    schedule.lr_lambdas[0] = lambda step: from_rate * (max(to_step - step, 0) / span)
+
+
+def replan(plan: dict, settings: Settings, history: list, schedule, pairs: list) -> dict:
+    """After an epoch of a planned run: fit the epochs left to the minutes left.
+
+    The epochs trained so far (with their validation) replace the probe's estimate of
+    an epoch's time. At least one epoch is left, so the rate still reaches zero; a run
+    still warming up, or in its last planned epoch, keeps its plan.
+    """
+    done, step = len(history), schedule.last_epoch  # epochs and optimizer steps so far
+    if done >= plan["epochs"] or step <= plan["warmup"]:
+        return plan
+    spent = sum(h["seconds"] + h.get("validation_seconds", 0.0) for h in history)
+    epoch_seconds = spent / done
+    averaging = plan["validation_seconds"] if settings.average_last > 1 else 0.0
+    left = 60 * settings.train_minutes - averaging - spent
+    epochs = done + max(1, int(left // epoch_seconds))
+    if epochs == plan["epochs"]:
+        return plan
+    steps = planned_steps(dataclasses.replace(settings, epochs=epochs), pairs)
+    decay = {"from_step": step, "from_rate": schedule.lr_lambdas[0](step), "to_step": steps}
+    aim_decay(schedule, **decay)
+    change = {"after_epoch": done - 1, "epoch_seconds": epoch_seconds, "was": plan["epochs"]}
+    change |= {"epochs": epochs}
+    replans = [*plan.get("replans", []), change | {"steps": steps}]
+    return plan | {"epochs": epochs, "steps": steps, "decay": decay, "replans": replans}
 
 
 def no_sync_factory(model):
@@ -3207,21 +3262,37 @@ def train_epoch(run: Run, position: Position) -> dict:
         state=run.state,
         extras=extras,
     )
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
     bar.close()
     val_loss = evaluate(run.val_batches, run.model, run.criterion, autocast=run.autocast)
     local_tokens = position.tokens + sum(b.ntokens for b in batches)
     loss_sum, tokens = sum_over_ranks([train_loss * local_tokens, local_tokens], run.device)
-    return {
+    record = {
         "epoch": epoch,
         "train_loss": loss_sum / tokens,
         "val_loss": val_loss,
         "val_bleu": validation_bleu(run.model, run.data) if run.rank == 0 else None,
         "watched": watched_translations(run.model, run.data) if run.rank == 0 else None,
-        "seconds": seconds,
+        "seconds": end - start,
         "tokens": int(tokens),
         "precision": run.precision,
     }
+    return record | {"validation_seconds": time.perf_counter() - end}
+
+
+def replan_run(run: Run, plan: dict) -> dict:
+    """replan a running run: its epochs, its schedule, plan.json and one printed line."""
+    new = replan(plan, run.settings, run.history, run.schedule, run.data.train)
+    if new is not plan:
+        run.settings = dataclasses.replace(run.settings, epochs=new["epochs"])
+        path = checkpoint_dir(run.settings, run.data_dir) / "plan.json"
+        write_atomically(path, json.dumps(new, indent=2).encode())
+        left = (new["epochs"] - len(run.history)) * new["replans"][-1]["epoch_seconds"]
+        ends = time.strftime("%H:%M", time.localtime(time.time() + left))
+        print(f"re-plan: epochs take {new['replans'][-1]['epoch_seconds']:.0f} s here, ", end="")
+        print(f"so {new['epochs']} epochs in all (was {plan['epochs']}), ", end="")
+        print(f"{new['steps']:,} steps, ending about {ends}")
+    return new
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3261,8 +3332,9 @@ def train_model(
     plan = plan_run(settings, data, data_dir, device, val_batches, criterion, world_size)
     settings = dataclasses.replace(settings, epochs=plan["epochs"])
     if settings.train_minutes is not None:
-        settings = fit_warmup(settings, plan["steps"])
-        plan = plan | {"warmup": settings.warmup, "lr_factor": settings.lr_factor}
+        fitted = fit_warmup(settings, plan["steps"])  # a plan.json of an older version
+        warmup = {k: plan.get(k, getattr(fitted, k)) for k in ("warmup", "lr_factor")}
+        settings, plan = dataclasses.replace(settings, **warmup), plan | warmup
     model, optimizer, schedule, state, history, position = start_or_resume(
         settings,
         data.vocabs,
@@ -3271,6 +3343,7 @@ def train_model(
         rank=rank,
         world_size=world_size,
         total_steps=plan["steps"],
+        decay=plan.get("decay"),  # where a re-planned run's decay was re-aimed
     )
     precision = plan.get("precision") or choose_precision(
         settings, device, model, val_batches[0], criterion, history, world_size
@@ -3293,7 +3366,8 @@ def train_model(
         world_size=world_size,
         show=show,
     )
-    for epoch in range(position.epoch, settings.epochs):
+    epoch = position.epoch
+    while epoch < run.settings.epochs:  # a planned run may change its epochs (replan_run)
         record = train_epoch(run, position)
         history.append(record)
         if run.rank == 0 and run.show:
@@ -3301,11 +3375,16 @@ def train_model(
             print(f"val loss {record['val_loss']:.3f}, val BLEU {record['val_bleu']:.1f}, ", end="")
             print(f"{record['tokens'] / record['seconds']:,.0f} target tokens/s")
             print(gpu_report())
-        if run.rank == 0 and epoch >= settings.epochs - settings.average_last:
+        if run.settings.train_minutes is not None:  # one process: plan_run refuses more
+            plan = replan_run(run, plan)
+        if run.rank == 0 and settings.average_last > 1:  # keep the last epochs' weights
             path = checkpoint_path(settings, data_dir, f"epoch-{epoch}")
             save_weights(path, model, data.vocabs, settings)
+            old = checkpoint_path(settings, data_dir, f"epoch-{epoch - settings.average_last}")
+            old.unlink(missing_ok=True)
         position = Position(epoch=epoch + 1)
         run.save(position)
+        epoch += 1
     if settings.average_last > 1 and run.rank == 0:
         average_last_epochs(run)
     history[-1]["plan"] = plan
@@ -4502,8 +4581,9 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # * **E19: a feed-forward width of 512** (3.7 million parameters) ended at 34.7
 #   greedy (36.1 with beam search) after 9 epochs. Its speed probe read 4,334 target
 #   tokens a second, but training ran at 2,965 to 3,623, so it trained 18.5 of its 16
-#   minutes: the plan is only as good as the machine is steady. One run, and not ahead
-#   of E17 and E18.
+#   minutes: a plan made once is only as good as the machine is steady, which is why
+#   a run now re-plans after each epoch ("The training loop" in Part 3). One run, and
+#   not ahead of E17 and E18.
 #
 # So the `cpu` preset takes E17's shape. Not tried, for lack of time: widths between
 # 128 and 256, other depths, and Wu et al.'s dropout of 0.3, which may pay only in
@@ -4553,9 +4633,10 @@ def average_weights(state_dicts: list[dict]) -> dict:
 #
 # Now everything is in place. With the `cpu` preset the next cell first prints its
 # plan: the precision, the speed it measured, how many epochs fit in `train_minutes`
-# and when it expects to end. Then it trains. Its progress bar shows the loss of the latest batch,
-# the target tokens per second and the learning rate; a line after each epoch gives
-# the training and validation loss and the validation BLEU, and, for a preset that
+# and when it expects to end. Then it trains. Its progress bar shows the loss of the
+# latest batch, the target tokens per second and the learning rate; a line after each
+# epoch gives the training and validation loss and the validation BLEU; a `re-plan`
+# line says when the epochs' real time changed the plan; and, for a preset that
 # averages its last epochs (`gpu`; `cpu` does not), a last line the scores of the
 # averaged weights.
 

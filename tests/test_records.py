@@ -52,3 +52,14 @@ def test_a_new_record_changes_the_table(tmp_path):
 def test_a_readme_without_a_marked_block_is_refused():
     with pytest.raises(SystemExit, match="no <!-- records:results --> block"):
         records.render("# a README with no tables\n", records.load_records())
+
+
+def test_a_replanned_run_is_summarised_with_its_replans():
+    (reference,) = [
+        r for r in records.load_records() if r["file"] == "make-run-cpu-epyc-narrow.json"
+    ]
+    plan = reference["plan"] | {"epochs": 9, "steps": 2817}
+    plan["replans"] = [{"after_epoch": 1, "epoch_seconds": 97.4, "was": 8, "epochs": 9}]
+    text = records.summary_of(reference | {"plan": plan})
+    assert "fitted 8 epochs into 16 minutes; after epoch 1 (epochs of 97 s) it re-planned 9" in text
+    assert "(2,817 steps, 200 of them warming up)" in text

@@ -4,6 +4,7 @@ import dataclasses
 import io
 import json
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -248,5 +249,116 @@ def test_a_planned_run_ends_its_schedule_at_zero_and_a_resumed_run_keeps_its_pla
     # another machine, ten times faster, resumes: the plan stays the one it started with
     monkeypatch.setattr(at, "measure_speed", fake_speed(100000.0, 0.05))
     again = make_plan(settings, data, tmp_path)
-    assert again == {k: plan[k] for k in again}
-    assert set(plan) - set(again) == {"warmup", "lr_factor"}  # the run's fitted warm-up
+    assert again == plan  # with the warm-up it fitted to its steps
+
+
+# --- re-planning after each epoch ------------------------------------------------------
+
+
+def schedule_at(settings, pairs, plan: dict, epochs_done: int):
+    """A planned run's schedule, stepped to the end of its first `epochs_done` epochs."""
+    model = at.make_model(8, 8, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
+    optimizer, schedule = at.make_optimizer(model, settings, total_steps=plan["steps"])
+    for _ in range(at.planned_steps(dataclasses.replace(settings, epochs=epochs_done), pairs)):
+        optimizer.step()  # no gradients: a no-op that keeps LambdaLR from warning
+        schedule.step()
+    return schedule
+
+
+@pytest.mark.parametrize(
+    ("epoch_seconds", "epochs"),
+    [
+        (15.0, 4),  # 30 s spent, 30 left: two more epochs
+        (10.0, 6),  # as planned: the plan and the schedule stay
+        (5.0, 12),  # faster than the probe said: 50 s left, ten more
+        (25.0, 3),  # 10 s left: one more, so the rate still reaches zero
+        (45.0, 3),  # already over the budget: one more all the same
+    ],
+)
+def test_a_replan_fits_the_epochs_left_to_the_minutes_left(data, epoch_seconds, epochs):
+    settings = dataclasses.replace(SMALL, train_minutes=1.0, warmup=2, schedule="linear")
+    six = at.planned_steps(dataclasses.replace(settings, epochs=6), data.train)
+    plan = {"epochs": 6, "steps": six, "warmup": 2, "validation_seconds": 1.0}
+    schedule = schedule_at(settings, data.train, plan, 2)
+    step, before = schedule.last_epoch, schedule.lr_lambdas[0]
+    rate = before(step)
+    history = [{"seconds": epoch_seconds - 1.0, "validation_seconds": 1.0}] * 2  # a fake clock
+    new = at.replan(plan, settings, history, schedule, data.train)
+    assert new["epochs"] == epochs
+    if epochs == plan["epochs"]:
+        assert new is plan and schedule.lr_lambdas[0] is before
+        return
+    steps = at.planned_steps(dataclasses.replace(settings, epochs=epochs), data.train)
+    assert new["steps"] == steps and new["replans"][-1]["after_epoch"] == 1
+    assert new["decay"] == {"from_step": step, "from_rate": rate, "to_step": steps}
+    # the rate goes on from where it was, in a straight line to zero at the new end
+    after = schedule.lr_lambdas[0]
+    assert after(step) == rate and after(steps) == 0.0 and after(steps + 5) == 0.0
+    middle = (step + steps) / 2
+    assert math.isclose(after(middle), rate / 2)
+
+
+def test_a_run_still_warming_up_or_at_its_end_keeps_its_plan(data):
+    settings = dataclasses.replace(SMALL, train_minutes=1.0, warmup=2, schedule="linear")
+    steps = at.planned_steps(dataclasses.replace(settings, epochs=3), data.train)
+    history = [{"seconds": 50.0, "validation_seconds": 1.0}]
+    warming = {"epochs": 3, "steps": steps, "warmup": steps, "validation_seconds": 1.0}
+    schedule = schedule_at(settings, data.train, warming, 1)
+    assert at.replan(warming, settings, history, schedule, data.train) is warming
+    ending = warming | {"warmup": 2}
+    schedule = schedule_at(settings, data.train, ending, 3)
+    assert at.replan(ending, settings, history * 3, schedule, data.train) is ending
+
+
+class SlowClock:
+    """The `time` module with a clock a thousand times slow: every epoch overruns."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def perf_counter(self):
+        return 1000 * time.perf_counter()
+
+
+def test_a_run_that_overruns_shrinks_its_plan_and_a_resumed_run_keeps_it(
+    data, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(at, "measure_speed", fake_speed(1000.0, 0.5))  # plans many epochs
+    monkeypatch.setattr(at, "time", SlowClock())
+    settings = dataclasses.replace(SMALL, train_minutes=1.0, precision="fp32", checkpoint_steps=1)
+    model, history = at.train_model(settings, data, tmp_path / "straight", show=False)
+    plan = history[-1]["plan"]
+    epoch_tokens = sum(len(tgt) - 1 for _, tgt in data.train)
+    assert plan["made"] and int(60 // (epoch_tokens / 1000.0 + 0.5)) > plan["epochs"]
+    # after the first epoch past the warm-up, the plan shrank to one more epoch
+    (change,) = plan["replans"]
+    assert plan["epochs"] == change["epochs"] == change["after_epoch"] + 2 == len(history)
+    last = at.read_checkpoint(at.checkpoint_path(settings, tmp_path / "straight", "last"))
+    assert last["state"]["step"] == plan["steps"] == plan["decay"]["to_step"]
+    assert last["schedule"]["_last_lr"] == [0.0]  # the re-aimed decay reached zero
+    saved = at.checkpoint_dir(settings, tmp_path / "straight") / "plan.json"
+    assert json.loads(saved.read_text()) == plan
+
+    # killed in the middle of its last epoch, after the re-plan, and resumed
+    class Killed(Exception):
+        pass
+
+    save, kill_at = at.Run.save, plan["steps"] - 1
+
+    def save_then_die(run, position):
+        save(run, position)
+        if run.state.step == kill_at:
+            raise Killed
+
+    monkeypatch.setattr(at.Run, "save", save_then_die)
+    with pytest.raises(Killed):
+        at.train_model(settings, data, tmp_path / "killed", show=False)
+    monkeypatch.setattr(at.Run, "save", save)
+    resumed, again = at.train_model(settings, data, tmp_path / "killed", show=False)
+    kept = again[-1]["plan"]  # the plan and decay of the run it resumed
+    assert [kept[k] for k in ("epochs", "steps", "decay")] == [
+        plan[k] for k in ("epochs", "steps", "decay")
+    ]
+    assert [h["train_loss"] for h in again] == [h["train_loss"] for h in history]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name

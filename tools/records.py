@@ -87,7 +87,20 @@ def summary_of(r: dict) -> str:
             f"float32 and {calibration['bf16']:.2f} s in bf16"
         )
     text += "). "
-    if plan:
+    if plan and plan.get("replans"):  # re-planned after epochs (from session 13 on)
+        first, changes = plan["replans"][0]["was"], plan["replans"]
+        text += (
+            f"The plan measured {plan['tokens_per_second']:,.0f} target tokens/s and fitted "
+            f"{first} epochs into {plan['train_minutes']:g} minutes; "
+            + ", then ".join(
+                f"after epoch {c['after_epoch']} (epochs of {c['epoch_seconds']:.0f} s) it "
+                f"re-planned {c['epochs']}"
+                for c in changes
+            )
+            + f" ({plan['steps']:,} steps, {plan['warmup']:,} of them warming up); training "
+            f"ran at {r['train_tokens_per_second']:,} target tokens/s. "
+        )
+    elif plan:
         text += (
             f"The plan measured {plan['tokens_per_second']:,.0f} target tokens/s and fitted "
             f"{plan['epochs']} epochs ({plan['steps']:,} steps) into {plan['train_minutes']:g} "
