@@ -42,7 +42,7 @@
 #   charts, training runs) are marked as notebook-only cells, which the twin keeps as
 #   comments, so importing it defines the functions and classes and runs nothing.
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 # On Google Colab only: install the few packages Colab lacks, and fetch the project's
 # other files (plumbing.py, the .py twin, the figure) when the notebook was opened alone.
 # Anywhere else (JupyterLab, VS Code, the tests, importing the .py twin) it does nothing.
@@ -1109,7 +1109,7 @@ def count_parameters(model: nn.Module) -> int:
 #     """Weights and biases of one DecoderLayer, by formula."""
 #     return ...  # ✎ your formula
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def decoder_layer_parameters(d_model: int, d_ff: int) -> int:
 #     """Weights and biases of one DecoderLayer, by formula."""
@@ -1137,7 +1137,7 @@ def count_parameters(model: nn.Module) -> int:
 #     """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
 #     return ...  # ✎ your measurement
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
 #     """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
@@ -1563,7 +1563,7 @@ def optimizer_step(optimizer, schedule, state: TrainState, clip_norm=None) -> No
     state.step += 1
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def ignore(*args) -> None:
     """A hook that does nothing: the default progress and after_step."""
 
@@ -1749,7 +1749,7 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 #     """(the step at which the paper's rate is highest, that rate), by formula."""
 #     return ...  # ✎ your (step, rate)
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
 #     """(the step at which the paper's rate is highest, that rate), by formula."""
@@ -1774,7 +1774,7 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 #     """(B, S) token ids -> (B, 1, S): True where attention may read."""
 #     return ...  # ✎ your mask
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
 #     """(B, S) token ids -> (B, 1, S): True where attention may read."""
@@ -1951,7 +1951,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # %% active="ipynb" tags=["starter"]
 # prenorm_config = ...  # ✎ the copy model's ModelConfig, with pre-norm sub-layers
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # prenorm_config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0, pre_norm=True)
 
@@ -1981,7 +1981,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 #     seq = copy_batch(batch_size, length, generator).src
 #     return Batch(src=seq, tgt=filled(reversed_words(seq)), pad_id=COPY_PAD)
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def reversed_words(seq: Tensor) -> Tensor:
 #     """(B, L + 2) rows <s> w_1 ... w_L </s> -> <s> w_L ... w_1 </s>."""
@@ -2011,7 +2011,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # per language, group sentences into batches of similar length, train with checkpoints,
 # then translate and score the translations with BLEU.
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 import hashlib
 import importlib.metadata
 import io
@@ -2342,7 +2342,7 @@ def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
 # subword-nmt and reads its answer.)
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def learned_merges(train_tokens: dict, merges: int, data_dir: Path = DATA_DIR) -> list:
     """subword-nmt's BPE merges of the training words of both languages, cached as JSON."""
     counts = Counter(t for lang in ("de", "en") for s in train_tokens[lang] for t in s)
@@ -2379,7 +2379,7 @@ def bpe_splitter(merges: list, known: set | None = None) -> subword_nmt.apply_bp
 # which caches what it builds as JSON in `data/`.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 class SubwordVocab(Vocab):
     """A joint vocabulary of sub-word pieces, with the BPE merges that split words."""
 
@@ -2447,7 +2447,7 @@ def vocabularies(
 # them, and `bpe_merges=8000` switches to the pieces. (`compare_vocabularies` is folded.)
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 SUBWORD_MERGES = 8000  # the joint vocabulary measured in "Training on a budget" (point 6)
 
 
@@ -2755,7 +2755,7 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
     return make_model(len(vocabs["de"]), len(vocabs["en"]), config)
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def bf16_pays_off(model, batch: Batch, criterion, repeats: int = 3, margin: float = 1.2):
     """Time forward and backward of one batch on the CPU in float32 and in bf16, alternately.
 
@@ -2825,7 +2825,7 @@ def choose_precision(settings, device, model, batch, criterion, history, world_s
 # > `nvidia-ml-py`).
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def checkpoint_dir(settings: Settings, data_dir: Path = DATA_DIR) -> Path:
     """The folder of one preset's checkpoints: data/checkpoints/<preset name>."""
     return Path(data_dir) / "checkpoints" / settings.name
@@ -2845,7 +2845,7 @@ def model_size(settings: Settings) -> dict:
     return {f: getattr(settings, f) for f in ("N", "d_model", "d_ff", "h")}
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
     """Load a checkpoint safely and check that it fits these settings and vocabularies."""
     checkpoint = read_checkpoint(path)  # weights_only=True: tensors and containers only
@@ -2928,7 +2928,7 @@ def load_checkpoint(path: Path, settings: Settings, vocabs: dict) -> dict:
 # > training step is exactly the one you have read there.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 @dataclass
 class Position:
     """Where a run stands in an epoch, with the loss and token totals of its done batches."""
@@ -2982,7 +2982,7 @@ def start_or_resume(
     return model, optimizer, schedule, state, history, position
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def training_state(model, optimizer, schedule, state, ranks, history, vocabs, settings):
     """Everything a checkpoint holds to resume training exactly.
 
@@ -3174,7 +3174,7 @@ def no_sync_factory(model):
     return lambda last: contextlib.nullcontext() if last else model.no_sync()
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 @dataclass(kw_only=True)
 class Run:
     """The pieces of one training run that every epoch uses (built with keywords)."""
@@ -3222,7 +3222,7 @@ class Run:
             save_checkpoint(checkpoint_path(self.settings, self.data_dir, "last"), **content)
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def train_epoch(run: Run, position: Position) -> dict:
     """Train one epoch from `position` (its start, or mid-way when resuming); validate."""
     settings, epoch, skip = run.settings, position.epoch, position.batches
@@ -3295,7 +3295,7 @@ def replan_run(run: Run, plan: dict) -> dict:
     return new
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def training_loss(settings: Settings, vocabs: dict) -> FastLabelSmoothing:
     """The loss a run trains and validates with: label smoothing over English words."""
     en = vocabs["en"]
@@ -3399,7 +3399,7 @@ def train_model(
 # training reports after every epoch.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def load_final(settings: Settings, data: Multi30k, data_dir: Path = DATA_DIR, device=None):
     """The finished model and its history from final.pt, or None if there is none."""
     final = checkpoint_path(settings, data_dir, "final")
@@ -3481,7 +3481,7 @@ def average_last_epochs(run: Run) -> None:
 #     vocab = build_vocab(tokens["train"]["en"], min_freq)
 #     return ...  # ✎ your (size, share)
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def vocabulary_trade_off(min_freq: int) -> tuple[int, float]:
 #     """(English vocabulary size, share of English validation tokens it lacks)."""
@@ -3518,7 +3518,7 @@ def average_last_epochs(run: Run) -> None:
 #         longest = max(longest, length)
 #     return [*batches, current] if current else batches
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def random_batches(pairs: list[Pair], batch_tokens: int, seed: int) -> list[list[int]]:
 #     """Index lists in a random order, each within batch_tokens, padding included."""
@@ -3747,7 +3747,7 @@ def beam_search(model, src, src_mask, max_output_len, *, beam_size, alpha, ids, 
 #   tokens, so the penalty divides them alike, and "a dog" wins: −1.16 against −1.24.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 TRACE_WORDS = ["</s>", "<s>", "<blank>", "a", "two", "dog", "dogs"]  # ids 0 to 6
 TRACE_NEXT = {  # the next word's probabilities, by the prefix's last word
     "<s>": {"a": 0.5, "two": 0.4, "dog": 0.05, "dogs": 0.03, "</s>": 0.02},
@@ -4000,7 +4000,7 @@ def without_words(scorer, banned: list[int]):
 # is bookkeeping around `beam_search`; open it to read it.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def translate(
     model,
     sources,
@@ -4148,7 +4148,7 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # %% active="ipynb" tags=["starter"]
 # tie_alpha = ...  # ✎ your alpha, to three decimals or better
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # # -3 / ((5 + 5) / 6) ** a = -4 / ((5 + 9) / 6) ** a  <=>  (14 / 10) ** a = 4 / 3
 # tie_alpha = math.log(4 / 3) / math.log(14 / 10)
@@ -4176,7 +4176,7 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 #     """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
 #     return ...  # ✎ your penalty
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def brevity_penalty(hypothesis_length: int, reference_length: int) -> float:
 #     """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
@@ -4679,9 +4679,9 @@ def average_weights(state_dicts: list[dict]) -> dict:
 # first = {k: e[k]["val_bleu_greedy_per_epoch"][0] for k in ("E21", "E17")}
 # assert first == {"E21": 8.91, "E17": 6.24}  # faster at first without dropout
 # assert e["E21"]["val_loss_per_epoch"][6:] == [1.548, 1.562, 1.575]  # rising from epoch 6
-# (replan,) = e["E23"]["replans"]
-# assert (replan["after_epoch"], replan["was"], replan["epochs"]) == (2, 9, 10)
-# assert round(replan["epoch_seconds"]) == 95 and e["E23"]["planned_tokens_per_second"] == 3999
+# (e23_change,) = e["E23"]["replans"]
+# assert (e23_change["after_epoch"], e23_change["was"], e23_change["epochs"]) == (2, 9, 10)
+# assert round(e23_change["epoch_seconds"]) == 95 and e["E23"]["planned_tokens_per_second"] == 3999
 # assert e["E22"]["steps"] == 3752 and "replans" not in e["E22"]  # 8 epochs of 469 steps
 # speeds = [mean(e[k]["tokens_per_second_per_epoch"]) for k in ("E22", "E18")]
 # assert [round(v, -1) for v in speeds] == [3880, 3910]  # about as fast
@@ -4952,7 +4952,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # committed record under `results/`, from which the README's tables are generated.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def run_record(settings, model, history, test_results, device) -> dict:
     """The fields of build/results.json."""
     train_seconds = sum(h["seconds"] for h in history)
@@ -5200,7 +5200,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #     """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
 #     return ...  # ✎ your entropy
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def head_entropy(weights: Tensor) -> Tensor:
 #     """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
@@ -5230,7 +5230,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #     """(h, T_q, T_k) -> (h,): share of queries whose strongest key is within 1 of the diagonal."""
 #     return ...  # ✎ your score
 
-# %% active="ipynb" tags=["hide-input", "solution"] jupyter={"source_hidden": true}
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
 # # Solution: skip this cell to check your own answer.
 # def diagonal_score(weights: Tensor) -> Tensor:
 #     """(h, T_q, T_k) -> (h,): share of queries whose strongest key is within 1 of the diagonal."""
@@ -5363,7 +5363,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # The process group is torn down in a `finally`, also when a rank fails.
 
 
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
     """One rank of a DDP job: join the group, train, leave. port None reads torchrun's env."""
     import torch.distributed as dist

@@ -1,5 +1,6 @@
 """The notebook and its py:percent twin: in sync, clean, and cheap to import."""
 
+import ast
 import importlib.util
 import json
 import re
@@ -171,3 +172,40 @@ def test_every_contents_link_leads_to_a_heading():
     assert [link for link in links if link not in ids] == []
     plain = [link for link in links if "%" not in link]  # JupyterLab keeps unicode as is
     assert len(plain) == len(links), "link to ASCII headings only, so both renderers agree"
+
+
+def bound_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """Top-level names a cell defines with def or class, and those it assigns."""
+    defined, assigned = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.For | ast.With):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [item.optional_vars for item in node.items if item.optional_vars]
+                if isinstance(node, ast.With)
+                else [node.target]
+            )
+            for target in targets:
+                assigned |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return defined, assigned
+
+
+def test_no_cell_assigns_a_name_that_a_function_or_class_has():
+    """One namespace runs every cell: `replan = ...` in a demo cell once replaced the
+    function `replan`, and training then failed, in the `cpu` preset only."""
+    notebook = json.loads(NOTEBOOK.read_text())
+    defined, assigned = set(), {}
+    for index, cell in enumerate(notebook["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        lines = [line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))]
+        names, bound = bound_names(ast.parse("\n".join(lines)))
+        defined |= names
+        for name in bound:
+            assigned.setdefault(name, index)
+    clashes = {name: cell for name, cell in assigned.items() if name in defined}
+    assert not clashes, f"cells that assign the name of a function or class: {clashes}"
