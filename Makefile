@@ -50,7 +50,7 @@ run: setup
 	@echo "results:           $(CURDIR)/build/results.json"
 
 test: setup
-	AT_PRESET=smoke AT_BUILD_DIR=build/smoke $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
+	AT_PRESET=smoke AT_BUILD_DIR=build/smoke AT_DATA_DIR=build/smoke/data $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
 
 # The numerically sensitive tests (marked `numerics`) under other kernel sets, each of which
@@ -74,7 +74,7 @@ test-compat: setup
 	$(COMPAT_VENV)/bin/python -c "import altair, numpy, pandas, sys, torch; print('compat:', \
 		'Python', sys.version.split()[0], 'torch', torch.__version__, 'altair', altair.__version__, \
 		'pandas', pandas.__version__, 'numpy', numpy.__version__)"
-	AT_PRESET=smoke AT_BUILD_DIR=build/compat $(COMPAT_VENV)/bin/python -m pytest $(NOTEBOOK) \
+	AT_PRESET=smoke AT_BUILD_DIR=build/compat AT_DATA_DIR=build/compat/data $(COMPAT_VENV)/bin/python -m pytest $(NOTEBOOK) \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=900 -q
 
 # Benchmarks (see tools/bench.py): writes build/bench.json and prints a table.

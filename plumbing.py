@@ -4,7 +4,7 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 
 * every file it writes goes to a temporary file in the target folder that is renamed into
   place when complete, so a crash never leaves half a file under the real name;
-* every Multi30k file is checked against its published SHA-256 before it is read;
+* every Multi30k file is checked against the SHA-256 pinned here before it is read;
 * every problem with an input raises one line (`DataError`, `CheckpointError`) that
   names the file and says what to do;
 * caches are JSON and checkpoints are read with `torch.load(weights_only=True)`: neither
@@ -56,9 +56,10 @@ def write_atomically(path: Path, data: bytes) -> None:
             f"cannot write {path}: the folder is not writable; fix its permissions"
         ) from error
     except (FileExistsError, NotADirectoryError) as error:
-        blocker = next(p for p in [path.parent, *path.parent.parents] if p.is_file())
+        blocker = next((p for p in [path.parent, *path.parent.parents] if p.is_file()), None)
+        what = f"{blocker} is a file" if blocker else f"{error.strerror.lower()}"
         raise DataError(
-            f"cannot create the folder {path.parent}: {blocker} is a file; "
+            f"cannot create the folder {path.parent}: {what}; "
             "move it away or choose another data folder"
         ) from error
     try:
@@ -96,7 +97,7 @@ def cached_json(path: Path, compute):
 # --- Multi30k files -----------------------------------------------------------------------
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}"
-SHA256 = {  # as published with the data
+SHA256 = {  # pinned when the project first fetched the files
     "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
     "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
     "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
@@ -113,7 +114,7 @@ SHA256 = {  # as published with the data
 
 
 def verify_checksum(path: Path) -> None:
-    """Raise DataError if `path` does not have its published SHA-256."""
+    """Raise DataError if `path` does not have its pinned SHA-256."""
     expected = SHA256.get(path.name)
     if expected is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() != expected:
         raise DataError(

@@ -49,6 +49,43 @@ def find_multi30k(data_dir: Path = ROOT / "data") -> tuple[Path, str]:
 
 MIRROR, MIRROR_SOURCE = find_multi30k()
 
+# Whatever runs the tests (make test, or pytest by hand), the notebook's kernel and the
+# tests train the smoke preset and write only under build/smoke/, never into data/.
+for name, value in {
+    "AT_PRESET": "smoke",
+    "AT_BUILD_DIR": str(ROOT / "build" / "smoke"),
+    "AT_DATA_DIR": str(ROOT / "build" / "smoke" / "data"),
+}.items():
+    os.environ.setdefault(name, value)
+
+
+def run_smoke_notebook(notebook, build: Path, **options) -> None:
+    """Execute `notebook` in a kernel that trains the smoke preset and writes only under
+    `build` (the kernel inherits the environment, which is restored afterwards)."""
+    from nbclient import NotebookClient
+
+    smoke = {"AT_PRESET": "smoke", "AT_BUILD_DIR": str(build), "AT_DATA_DIR": str(build / "data")}
+    saved = {k: os.environ.get(k) for k in smoke}
+    os.environ.update(smoke)
+    try:
+        resources = {"metadata": {"path": str(ROOT)}}
+        NotebookClient(notebook, timeout=900, resources=resources, **options).execute()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def files_under(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `folder`, with its size and modification time."""
+    found = (p for p in Path(folder).rglob("*") if p.is_file())
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in found}
+
+
+DATA_AT_START = files_under(ROOT / "data")  # after find_multi30k's downloads, if any
+
 
 def on_ci() -> bool:
     """Whether we run under CI, which sets CI=true."""
@@ -101,3 +138,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --- one run of the notebook for nbval and the page tests ---------------------------------
+
+EXECUTED = {}  # the notebook as nbval ran it, outputs included, by path
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Keep what each nbval cell printed and drew, so that the page tests read nbval's run
+    instead of running the notebook a second time."""
+    try:
+        return (yield)
+    finally:
+        outputs = getattr(item, "test_outputs", None)
+        if outputs is not None and hasattr(item, "cell"):
+            item.cell.outputs = outputs
+            EXECUTED[Path(item.path)] = item.parent.nb
+
+
+def pytest_collection_modifyitems(items):
+    """The tests of the executed page run after the notebook's cells, to reuse their run."""
+    items.sort(key=lambda item: "page" in getattr(item, "fixturenames", ()))

@@ -15,6 +15,8 @@ from conftest import MIRROR, ROOT
 from torch.utils.flop_counter import FlopCounterMode
 
 import annotated_transformer as at
+import trainer
+from plumbing import save_checkpoint
 
 sys.path.insert(0, str(ROOT / "tools"))
 import bench
@@ -30,9 +32,10 @@ def data_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(MIRROR))
         data = at.prepare_data(SMOKE, folder)
+    run = trainer.new_run(trainer.Lesson.of(at), SMOKE, data, folder, torch.device("cpu"))
     at.set_seed(0)
-    model = at.model_for(SMOKE, data.vocabs)
-    at.save_final(at.checkpoint_dir(SMOKE, folder) / "final.pt", model, [], data.vocabs, SMOKE)
+    run.model = at.model_for(SMOKE, data.vocabs)
+    save_checkpoint(run.path("final"), **run.checkpoint())
     return folder
 
 
@@ -90,10 +93,11 @@ def test_mfu_is_the_model_flops_over_the_matmul_flops(run):
 
 
 def test_training_flops_count_the_products_that_pytorch_counts():
-    # explicit attention (no fused kernel, which FlopCounterMode does not count on a CPU)
-    settings = dataclasses.replace(SMOKE, dropout=0.0, use_sdpa=False)
+    settings = dataclasses.replace(SMOKE, dropout=0.0)
     vocabs = {"de": at.Vocab([*at.SPECIALS, *"abcdefg"]), "en": at.Vocab([*at.SPECIALS, *"hijk"])}
     model, pad = at.model_for(settings, vocabs), vocabs["en"].pad_id
+    for attention in (m for m in model.modules() if isinstance(m, at.MultiHeadAttention)):
+        attention.use_sdpa = False  # explicit: FlopCounterMode misses the fused kernel on a CPU
     B, S, T = 3, 5, 5  # S = T: the count puts cross-attention's W^K, W^V on target tokens
     words = torch.Generator().manual_seed(0)
     src = torch.randint(4, 11, (B, S), generator=words)

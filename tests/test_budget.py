@@ -1,4 +1,4 @@
-"""Training on a budget: the linear schedule, clipping, precision, averaging, beam search."""
+"""A short run: the linear schedule, clipping, precision, averaging, and beam search."""
 
 import dataclasses
 import itertools
@@ -10,12 +10,16 @@ from conftest import MIRROR, prepared_data
 from torch import nn
 
 import annotated_transformer as at
+import trainer
+from plumbing import read_checkpoint
 
 # the smoke preset (linear schedule, clipping) shrunk further; no averaging unless asked
 SMALL = dataclasses.replace(
     at.SMOKE, name="small", d_model=16, d_ff=32, train_pairs=200, eval_pairs=20, batch_tokens=400
 )
 SMALL = dataclasses.replace(SMALL, warmup=4, average_last=1, beam_size=3)
+LESSON = trainer.Lesson.of(at)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -45,15 +49,13 @@ def test_a_linear_schedule_needs_room_after_the_warmup():
     for total in (None, 50):
         with pytest.raises(ValueError, match="lower warmup or raise epochs"):
             at.make_optimizer(nn.Linear(2, 2), settings, total_steps=total)
-    cosine = dataclasses.replace(settings, schedule="cosine")
-    with pytest.raises(ValueError, match="unknown schedule 'cosine'"):
-        at.make_optimizer(nn.Linear(2, 2), cosine, total_steps=100)
+    at.make_optimizer(nn.Linear(2, 2), settings, total_steps=51)  # one step after it will do
 
 
 def test_planned_steps_are_the_steps_training_takes_and_the_rate_ends_at_zero(data, tmp_path):
-    at.train_model(SMALL, data, tmp_path, device=torch.device("cpu"), show=False)
-    last = at.read_checkpoint(tmp_path / "checkpoints" / SMALL.name / "last.pt")
-    planned = at.planned_steps(SMALL, data.train)
+    trained = trainer.load_or_train(LESSON, SMALL, data, tmp_path, device=CPU, show=False)
+    last = read_checkpoint(trained.folder / "last.pt")
+    planned = trainer.planned_steps(LESSON, SMALL, data.train)
     assert planned > SMALL.warmup
     assert last["state"]["step"] == planned
     assert last["schedule"]["_last_lr"] == [0.0]  # the rate after the last step
@@ -62,8 +64,8 @@ def test_planned_steps_are_the_steps_training_takes_and_the_rate_ends_at_zero(da
 def test_planned_steps_with_ranks_count_as_one_process_does():
     pairs = [([1, 5, 2], [1, 6, 7, 2])] * 300
     settings = dataclasses.replace(SMALL, accum_iter=1, epochs=3)
-    one = at.planned_steps(settings, pairs)
-    two = at.planned_steps(settings, pairs, world_size=2)
+    one = trainer.planned_steps(LESSON, settings, pairs)
+    two = trainer.planned_steps(LESSON, settings, pairs, world_size=2)
     assert two % 2 == 0 and abs(two - one) <= 2 * settings.epochs  # rounding per epoch only
 
 
@@ -99,27 +101,37 @@ def tiny_batch():
     return at.Batch(src, src, 0)
 
 
-def test_precision_follows_the_settings_and_a_resumed_run(capsys):
+def test_precision_follows_the_settings_the_device_and_a_measurement(capsys):
     model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
     criterion = at.LabelSmoothing(11, 0, 0.1)
-    cpu, batch = torch.device("cpu"), tiny_batch()
-    fp32, auto = at.Settings(name="t"), at.Settings(name="t", precision="auto")
-    assert fp32.precision == "fp32"
-    assert at.choose_precision(fp32, cpu, model, batch, criterion, []) == "fp32"
-    resumed = [{"precision": "bf16"}]
-    assert at.choose_precision(auto, cpu, model, batch, criterion, resumed) == "bf16"
-    assert at.choose_precision(auto, cpu, model, batch, criterion, [], world_size=2) == "fp32"
+    batch = tiny_batch()
+    fp32, bf16, auto = (at.Settings(name="t", precision=p) for p in ("fp32", "bf16", "auto"))
+
+    def choose(settings, device=CPU, world_size=1):
+        device = torch.device(device)
+        return trainer.choose_precision(
+            settings, device, LESSON, model, batch, criterion, world_size
+        )
+
+    assert at.Settings(name="t").precision == "fp32"  # the default: the same numbers anywhere
+    assert choose(fp32) == choose(fp32, "cuda") == "fp32"  # asked for: never changed
+    assert choose(bf16) == choose(bf16, "cuda") == "bf16"
+    assert choose(auto, "cuda") == "bf16"  # no measurement: bf16 pays off on CUDA
+    assert choose(auto, "mps") == choose(bf16, "mps") == "fp32"  # no bf16 autocast there
+    assert choose(auto, world_size=2) == "fp32"  # CPU ranks would have to agree
     assert capsys.readouterr().out == ""  # none of these needed a measurement
-    chosen = at.choose_precision(auto, cpu, model, batch, criterion, [])
+    chosen = choose(auto)
     printed = capsys.readouterr().out
     assert chosen in ("fp32", "bf16") and "one validation batch, forward and backward:" in printed
+    assert printed.rstrip().endswith(f"training in {'bf16' if chosen == 'bf16' else 'float32'}")
 
 
 def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
     at.set_seed(0)
     model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.5))
     before = torch.get_rng_state()
-    pays, fp32, bf16 = at.bf16_pays_off(model, tiny_batch(), at.LabelSmoothing(11, 0), repeats=1)
+    criterion = at.LabelSmoothing(11, 0)
+    pays, fp32, bf16 = trainer.bf16_pays_off(LESSON, model, tiny_batch(), criterion, repeats=1)
     assert fp32 > 0 and bf16 > 0 and pays == (fp32 > 1.2 * bf16)  # the default margin
     assert torch.equal(before, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
@@ -138,7 +150,14 @@ def test_cpu_autocast_uses_our_attention_not_the_fused_kernel(monkeypatch):
     assert out.dtype == torch.bfloat16
     with pytest.raises(AssertionError, match="fused kernel"):
         mha(query=x, key=x, value=x)  # outside autocast, use_sdpa does call it
-    assert at.autocast_for(torch.device("cpu"), "fp32") is at.contextlib.nullcontext
+
+
+def test_autocast_for_runs_the_products_in_bf16_only_when_asked():
+    a = torch.randn(4, 4)
+    for precision, dtype in [("bf16", torch.bfloat16), ("fp32", torch.float32)]:
+        with trainer.autocast_for(CPU, precision)():  # a factory: a fresh context each time
+            assert (a @ a).dtype == dtype, precision
+    assert (a @ a).dtype == torch.float32  # and it ends with its block
 
 
 # --- averaging ---------------------------------------------------------------------------
@@ -147,25 +166,24 @@ def test_cpu_autocast_uses_our_attention_not_the_fused_kernel(monkeypatch):
 def test_average_weights_is_the_elementwise_mean():
     dicts = [{"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)} for _ in range(3)]
     dicts[1]["w"] = torch.tensor([4.0, -1.0])
-    mean = at.average_weights(dicts)
+    mean = trainer.average_weights(dicts)
     assert torch.allclose(mean["w"], torch.tensor([2.0, 1.0])) and mean["b"] == 3.0
 
 
 def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
     settings = dataclasses.replace(SMALL, epochs=3, average_last=2)
-    model, history = at.train_model(
-        settings, data, tmp_path, device=torch.device("cpu"), show=False
-    )
-    folder = tmp_path / "checkpoints" / settings.name
+    trained = trainer.load_or_train(LESSON, settings, data, tmp_path, device=CPU, show=False)
+    model, history, folder = trained.model, trained.history, trained.folder
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-1.pt", "epoch-2.pt"]
-    saved = [at.read_checkpoint(folder / f"epoch-{e}.pt")["model"] for e in (1, 2)]
+    saved = [read_checkpoint(folder / f"epoch-{e}.pt")["model"] for e in (1, 2)]
     assert not torch.equal(saved[0]["generator.proj.weight"], saved[1]["generator.proj.weight"])
     for name, value in model.state_dict().items():
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
     # each recorded validation score is that of the weights it names: scored again here,
     # on the same path and machine, they come out to the last bit
-    criterion = at.training_loss(settings, data.vocabs)
-    val = at.validation_batches(data, settings, torch.device("cpu"))
+    en = data.vocabs["en"]
+    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    val = trainer.validation_batches(LESSON, data, settings, CPU)
     averaged = history[-1]["averaged"]
     assert averaged["epochs"] == [1, 2]
     assert averaged["val_loss"] == at.evaluate(val, model, criterion)
@@ -276,24 +294,22 @@ def test_beam_of_one_is_greedy_on_a_scripted_model():
         assert search(model, beam_size=1, alpha=0.6, max_len=10) == greedy, seed
 
 
-def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypatch):
+def test_every_presets_warmup_ends_well_before_its_run(tmp_path, monkeypatch):
     if not MIRROR.is_dir():
         pytest.skip(f"no Multi30k mirror at {MIRROR}")
     monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
-    # the first cpu preset: ten epochs over a word vocabulary, the notebook's chart
-    first = dataclasses.replace(
-        at.get_settings("cpu"), bpe_merges=0, batch_tokens=2500, train_minutes=None, epochs=10
-    )
-    pairs = at.prepare_data(first, tmp_path).train
+    # the presets keep the same training pairs (word vocabularies, the same longest pair)
+    assert len({(s.bpe_merges, s.max_train_len) for s in at.PRESETS.values()}) == 1
+    pairs = at.prepare_data(at.get_settings("cpu"), tmp_path).train
     assert len(pairs) > 28_000
-    assert at.planned_steps(first, pairs) == at.CPU_PRESET_STEPS
-    for settings in at.PRESETS.values():  # every preset's warm-up ends well before its run
+    for settings in at.PRESETS.values():
         ours = pairs[: settings.train_pairs]
         # a run planned to the clock is at least MIN_USEFUL_EPOCHS long, or it warns
-        epochs = at.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
-        steps = at.planned_steps(dataclasses.replace(settings, epochs=epochs), ours)
+        epochs = trainer.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
+        run = dataclasses.replace(settings, epochs=epochs)
+        steps = trainer.planned_steps(LESSON, run, ours)
         if settings.train_minutes:  # a planned run fits its warm-up to its plan
-            settings = at.fit_warmup(settings, steps)
+            settings = trainer.fit_warmup(settings, steps)
         # (a planned run of MIN_USEFUL_EPOCHS ends its warm-up before it ends)
         assert settings.warmup < (steps if settings.train_minutes else steps / 3), settings.name
         at.make_optimizer(nn.Linear(2, 2), settings, total_steps=steps)
@@ -302,7 +318,7 @@ def test_the_notebooks_step_count_for_the_cpu_preset_is_right(tmp_path, monkeypa
 @pytest.mark.parametrize("steps", [100, 1142, 1143, 5000])
 def test_fit_warmup_cuts_a_short_plans_warmup_and_keeps_the_peak(steps):
     preset = at.Settings(name="t", d_model=256, warmup=800, lr_factor=0.7071, schedule="linear")
-    fitted = at.fit_warmup(preset, steps)
+    fitted = trainer.fit_warmup(preset, steps)
     assert fitted.warmup == min(800, int(0.7 * steps)) and fitted.warmup < steps
     peak = at.rate(800, d_model=256, warmup=800, factor=0.7071)
     rates = [

@@ -1,10 +1,14 @@
 """Checkpoints, exact resume, and decoding with beam search."""
 
+import contextlib
+import copy
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,8 @@ import torch
 from conftest import MIRROR, ROOT, prepared_data
 
 import annotated_transformer as at
+import trainer
+from plumbing import CheckpointError, save_checkpoint
 
 TINY = at.Settings(
     name="tiny",
@@ -27,6 +33,8 @@ TINY = at.Settings(
     warmup=10,
     beam_size=3,
 )
+CPU = torch.device("cpu")
+LESSON = trainer.Lesson.of(at)
 
 
 @pytest.fixture
@@ -38,55 +46,107 @@ def parameters(model):
     return {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
-def test_two_epochs_equal_one_epoch_plus_resume(data, tmp_path, capsys):
-    cpu = torch.device("cpu")
-    straight, straight_history = at.train_model(TINY, data, tmp_path / "a", device=cpu, show=False)
-    one = dataclasses.replace(TINY, epochs=1)
-    at.train_model(one, data, tmp_path / "b", device=cpu, show=False)
-    resumed, history = at.train_model(TINY, data, tmp_path / "b", device=cpu, show=False)
+def assert_same_weights(a, b) -> None:
+    a, b = parameters(a), parameters(b)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def train(settings, data, data_dir, lesson=LESSON) -> trainer.Run:
+    """trainer.train_model on the CPU, quietly: resumes from the folder's last.pt if any."""
+    return trainer.train_model(trainer.new_run(lesson, settings, data, data_dir, CPU, show=False))
+
+
+class Stopped(Exception):
+    """The run stopped here, as if killed."""
+
+
+@contextlib.contextmanager
+def stopped_at_save(when, *, written: bool):
+    """Run.save raises Stopped on its first call where when(run, position) holds: right
+    after writing last.pt (written=True), or instead of writing it (killed just before)."""
+    save = trainer.Run.save
+
+    def save_or_stop(run, position):
+        if when(run, position):
+            if written:
+                save(run, position)
+            raise Stopped
+        save(run, position)
+
+    trainer.Run.save = save_or_stop
+    try:
+        with pytest.raises(Stopped):
+            yield
+    finally:
+        trainer.Run.save = save
+
+
+def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(data, tmp_path, capsys):
+    straight = train(TINY, data, tmp_path / "a")
+    with stopped_at_save(lambda run, position: position.epoch == 1, written=True):
+        train(TINY, data, tmp_path / "b")
+    last = trainer.read_checkpoint(trainer.run_dir(TINY, LESSON, tmp_path / "b") / "last.pt")
+    assert last["ranks"][0]["position"]["epoch"] == 1 and len(last["history"]) == 1
+    capsys.readouterr()
+    resumed = train(TINY, data, tmp_path / "b")
     assert "resuming from" in capsys.readouterr().out
-    assert [h["epoch"] for h in history] == [0, 1]
-    a, b = parameters(straight), parameters(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["epoch"] for h in resumed.history] == [0, 1]
+    assert_same_weights(straight.model, resumed.model)
     # "Watch it learn": every epoch keeps its translations of the watched sentences,
     # the first epoch's through the resume too
-    watched = [h["watched"] for h in history]
+    watched = [h["watched"] for h in resumed.history]
     assert [len(w) for w in watched] == [len(at.WATCHED_SENTENCES)] * 2
     assert all(isinstance(t, str) for w in watched for t in w)
-    assert watched == [h["watched"] for h in straight_history]
+    assert watched == [h["watched"] for h in straight.history]
 
 
 def test_checkpoint_round_trip_and_refusals(data, tmp_path):
     model = at.model_for(TINY, data.vocabs)
     path = tmp_path / "c.pt"
-    at.save_checkpoint(
+    save_checkpoint(
         path,
         model=model.state_dict(),
-        model_size=at.model_size(TINY),
-        vocab_fingerprint=at.vocab_fingerprint(data.vocabs),
+        settings=trainer.training_settings(TINY),
+        vocab_fingerprint=trainer.vocab_fingerprint(data.vocabs),
     )
-    loaded = at.load_checkpoint(path, TINY, data.vocabs)
+    loaded = trainer.load_checkpoint(path, TINY, data.vocabs)
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    # the name, decoding and the checkpoint interval do not shape training: it still loads
+    other_decoding = dataclasses.replace(TINY, name="t2", beam_size=5, checkpoint_steps=7)
+    trainer.load_checkpoint(path, other_decoding, data.vocabs)
 
     other_vocabs = {**data.vocabs, "en": at.Vocab([*at.SPECIALS, "zebra"])}
-    with pytest.raises(at.CheckpointError, match="other vocabularies: delete it"):
-        at.load_checkpoint(path, TINY, other_vocabs)
-    with pytest.raises(at.CheckpointError, match="holds a model of size"):
-        at.load_checkpoint(path, dataclasses.replace(TINY, d_model=32), data.vocabs)
+    with pytest.raises(CheckpointError, match="other vocabularies: delete its folder"):
+        trainer.load_checkpoint(path, TINY, other_vocabs)
+    with pytest.raises(CheckpointError, match=r"other settings \(d_model\)") as refused:
+        trainer.load_checkpoint(path, dataclasses.replace(TINY, d_model=32), data.vocabs)
+    assert "\n" not in str(refused.value)
 
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])
-    with pytest.raises(at.CheckpointError, match="damaged or truncated"):
-        at.load_checkpoint(path, TINY, data.vocabs)
+    with pytest.raises(CheckpointError, match="damaged or truncated"):
+        trainer.load_checkpoint(path, TINY, data.vocabs)
 
 
-def test_final_checkpoint_is_loaded_not_retrained(data, tmp_path, capsys):
-    cpu = torch.device("cpu")
-    trained, _ = at.load_trained_model(TINY, data, tmp_path, device=cpu, show=False)
-    again, _ = at.load_trained_model(TINY, data, tmp_path, device=cpu, show=False)
-    assert "loaded" in capsys.readouterr().out
-    a, b = parameters(trained), parameters(again)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+class Trap:
+    """Pickles into a call that writes a file: what a malicious checkpoint would hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "code ran"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unread(data, tmp_path):
+    path, marker = tmp_path / "trap.pt", tmp_path / "ran"
+    torch.save({"model": {}, "trap": Trap(marker)}, path)
+    with pytest.raises(CheckpointError, match="damaged or truncated"):
+        trainer.load_checkpoint(path, TINY, data.vocabs)
+    assert not marker.exists(), "loading a checkpoint ran code"
+    torch.load(path, weights_only=False)  # the trap is real: a plain unpickling runs it
+    assert marker.read_text() == "code ran"
 
 
 def assert_equal_or_tied(ours, theirs, model, src, src_mask, tol=1e-4) -> None:
@@ -126,22 +186,9 @@ def test_beam_of_one_equals_greedy(data):
 
 
 def test_same_seed_gives_the_same_loss_curve_to_the_last_bit(data, tmp_path):
-    cpu = torch.device("cpu")
-    _, first = at.train_model(TINY, data, tmp_path / "a", device=cpu, show=False)
-    _, second = at.train_model(TINY, data, tmp_path / "b", device=cpu, show=False)
+    first, second = (train(TINY, data, tmp_path / run).history for run in ("a", "b"))
     curve = [(h["train_loss"], h["val_loss"]) for h in first]
     assert curve == [(h["train_loss"], h["val_loss"]) for h in second]
-
-
-def test_every_torch_load_is_weights_only():
-    """In the notebook's twin, the tools and the tests: nothing is ever unpickled."""
-    files = [*ROOT.glob("*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("tests/*.py")]
-    calls = []
-    for path in set(files) - {Path(__file__).resolve()}:  # this file names what it looks for
-        source = path.read_text()
-        calls += [line for line in source.splitlines() if "torch.load(" in line]
-        assert "import pickle" not in source and "pickle.load" not in source, path
-    assert len(calls) >= 4 and all("weights_only=True" in line for line in calls), calls
 
 
 @pytest.fixture(scope="module")
@@ -158,15 +205,18 @@ def decoding(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(MIRROR))
         data = at.prepare_data(settings, folder)
-    model, _ = at.train_model(settings, data, folder, device=torch.device("cpu"), show=False)
-    return model.eval(), data
+    trained = trainer.load_or_train(LESSON, settings, data, folder, device=CPU, show=False)
+    return trained.model.eval(), data
 
 
-def variants(model, data, **options):
-    """The trained weights in a model built with other options (pre-norm excepted)."""
-    settings = dataclasses.replace(TINY, d_model=32, d_ff=64, **options)
-    other = at.model_for(settings, data.vocabs).eval()
-    other.load_state_dict(model.state_dict())
+def with_attention(model, use_sdpa: bool):
+    """A copy of the trained model whose attention runs on PyTorch's fused kernel
+    (use_sdpa) or on the lesson's own attention()."""
+    other = copy.deepcopy(model).eval()
+    layers = [m for m in other.modules() if isinstance(m, at.MultiHeadAttention)]
+    assert layers
+    for layer in layers:
+        layer.use_sdpa = use_sdpa
     return other
 
 
@@ -186,7 +236,7 @@ def assert_cached_equals_full(model, data):
 @pytest.mark.parametrize("use_sdpa", [True, False])
 def test_cached_steps_equal_the_full_recompute(decoding, use_sdpa):
     model, data = decoding
-    assert_cached_equals_full(variants(model, data, use_sdpa=use_sdpa), data)
+    assert_cached_equals_full(with_attention(model, use_sdpa), data)
 
 
 @pytest.mark.numerics
@@ -293,38 +343,40 @@ def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, c
     assert len(out) == 2 and len(out[0]) < limit
 
 
+# --- killed for real: SIGKILL, no cleanup, no finally blocks ------------------------------
+
 CHILD = """
-import os, signal, sys, dataclasses
+import json, os, signal, sys
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
 import annotated_transformer as at
+import trainer
 from stopping_jobs import stop_after_step
 
 data_dir, out, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-settings = dataclasses.replace(
-    at.Settings(name="tiny", N=1, d_model=16, d_ff=32, h=2, train_pairs=200, eval_pairs=20),
-    batch_tokens=300, accum_iter=2, epochs=2, warmup=10, checkpoint_steps=3,
-)
-if sys.argv[4] == "budget":  # the cpu preset's ways: linear decay, clipping, averaging
-    settings = dataclasses.replace(
-        settings, epochs=3, schedule="linear", clip_norm=1.0, average_last=2
-    )
-if kill_at:  # the hard way out: no cleanup, no finally blocks
+settings = at.Settings(**json.loads(sys.argv[4]))
+if kill_at:
     stop_after_step(kill_at, lambda: os.kill(os.getpid(), signal.SIGKILL))
-model, history = at.train_model(settings, data_dir=data_dir, device=torch.device("cpu"), show=False)
-torch.save({"model": model.state_dict(), "history": history}, out)
+lesson = trainer.Lesson.of(at)  # after stop_after_step, so that it trains with its hook
+data = at.prepare_data(settings, data_dir)
+trained = trainer.load_or_train(lesson, settings, data, data_dir, device=torch.device("cpu"))
+torch.save({"model": trained.model.state_dict(), "history": trained.history}, out)
 """
+KILLED = dataclasses.replace(TINY, batch_tokens=300, warmup=10, checkpoint_steps=3, beam_size=4)
+# the cpu preset's ways: linear decay, clipping, averaging
+BUDGET = dataclasses.replace(KILLED, epochs=3, schedule="linear", clip_norm=1.0, average_last=2)
 
 
-def run_child(tmp_path, data_dir, kill_at, kind="paper"):
+def run_child(tmp_path, data_dir, kill_at, settings=KILLED):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / f"out-{data_dir.name}-{kill_at}.pt"
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "MULTI30K_DIR": str(MIRROR), "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    fields = json.dumps(dataclasses.asdict(settings))
     result = subprocess.run(
-        [sys.executable, str(script), str(data_dir), str(out), str(kill_at), kind],
+        [sys.executable, str(script), str(data_dir), str(out), str(kill_at), fields],
         env=env,
         capture_output=True,
         text=True,
@@ -341,7 +393,9 @@ def test_sigkill_mid_epoch_then_restart_is_bit_identical(tmp_path):
 
     killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at=7)
     assert killed.returncode == -signal.SIGKILL
-    last = torch.load(tmp_path / "killed" / "checkpoints" / "tiny" / "last.pt", weights_only=True)
+    # the folder that this process names for the run: the one the child trained in
+    folder = trainer.run_dir(KILLED, LESSON, tmp_path / "killed")
+    last = torch.load(folder / "last.pt", weights_only=True)
     position = last["ranks"][0]["position"]
     assert position["epoch"] == 0 and position["batches"] > 0  # mid-epoch
     assert last["state"]["step"] == 6  # the last multiple of checkpoint_steps before 7
@@ -362,19 +416,19 @@ def test_a_budget_run_killed_in_its_last_epoch_resumes_to_the_same_average(tmp_p
     written are kept, and the averaged model is bit-identical to an uninterrupted run's."""
     if not MIRROR.is_dir():
         pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    straight, straight_out = run_child(tmp_path, tmp_path / "straight", 0, "budget")
+    straight, straight_out = run_child(tmp_path, tmp_path / "straight", 0, BUDGET)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    last = tmp_path / "straight" / "checkpoints" / "tiny" / "last.pt"
+    last = trainer.run_dir(BUDGET, LESSON, tmp_path / "straight") / "last.pt"
     steps = torch.load(last, weights_only=True)["state"]
     kill_at = steps["step"] * 5 // 6  # in the middle of the last of the three epochs
 
-    killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at, "budget")
+    killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at, BUDGET)
     assert killed.returncode == -signal.SIGKILL
-    folder = tmp_path / "killed" / "checkpoints" / "tiny"
+    folder = trainer.run_dir(BUDGET, LESSON, tmp_path / "killed")
     assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()
     assert torch.load(folder / "last.pt", weights_only=True)["ranks"][0]["position"]["epoch"] == 2
 
-    resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0, "budget")
+    resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0, BUDGET)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a = torch.load(straight_out, weights_only=True)
     b = torch.load(resumed_out, weights_only=True)
@@ -384,3 +438,76 @@ def test_a_budget_run_killed_in_its_last_epoch_resumes_to_the_same_average(tmp_p
         for run in (a, b)
     ]
     assert scores[0] == scores[1] and scores[0][-1][3]["epochs"] == [1, 2]
+
+
+# --- a planned run killed around its re-plan ------------------------------------------------
+
+
+class SlowClock:
+    """trainer's `time` module with a clock a thousand times slow: every epoch overruns
+    the budget, so the first re-plan after the warm-up cuts the run to one more epoch."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def perf_counter(self):
+        return 1000 * time.perf_counter()
+
+
+def fake_speed(tokens_per_second: float, validation_seconds: float):
+    """measure_speed as a fake clock would report it: the same plan on every machine."""
+
+    def measure(*args, **kwargs):
+        return {"tokens_per_second": tokens_per_second, "validation_seconds": validation_seconds}
+
+    return measure
+
+
+KEPT = ("epochs", "steps", "warmup", "lr_factor", "decay")  # what a plan sets for training
+# re-planned after its second epoch, when the warm-up is over; no mid-epoch checkpoints
+PLANNED = dataclasses.replace(
+    TINY, train_minutes=1.0, warmup=6, schedule="linear", checkpoint_steps=0
+)
+
+
+def test_a_planned_run_killed_around_its_replan_resumes_bit_for_bit(data, tmp_path, monkeypatch):
+    """Killed between plan.json and last.pt (the re-plan written to plan.json, the
+    epoch's last.pt not), or in the middle of its last epoch: the resumed run takes its
+    plan from last.pt, whatever plan.json says, and ends bit for bit where an
+    uninterrupted run ends."""
+    monkeypatch.setattr(trainer, "measure_speed", fake_speed(1000.0, 0.5))  # many epochs
+    monkeypatch.setattr(trainer, "time", SlowClock())
+    straight = train(PLANNED, data, tmp_path / "straight")
+    plan = straight.plan
+    (change,) = plan["replans"]  # after the first epoch past the warm-up: one more
+    assert change["after_epoch"] == 1 and change["was"] > plan["epochs"] == 3
+    assert len(straight.history) == 3
+
+    def replanned(run, position):  # the save right after the re-plan, at the epoch's end
+        return "replans" in run.plan and position.batches == 0
+
+    with stopped_at_save(replanned, written=False):
+        train(PLANNED, data, tmp_path / "between")
+    folder = trainer.run_dir(PLANNED, LESSON, tmp_path / "between")
+    last = trainer.read_checkpoint(folder / "last.pt")
+    position = last["ranks"][0]["position"]
+    assert (position["epoch"], position["batches"]) == (1, 0)  # from the end of epoch 0
+    on_disk = json.loads((folder / "plan.json").read_text())
+    assert on_disk["epochs"] == 3 and last["plan"]["epochs"] == change["was"]  # plan.json stale
+    resumed = train(PLANNED, data, tmp_path / "between")
+    assert_same_weights(straight.model, resumed.model)
+    assert [resumed.plan[k] for k in KEPT] == [plan[k] for k in KEPT]
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+
+    def in_last_epoch(run, position):
+        return run.state.step == plan["steps"] - 1
+
+    every_step = dataclasses.replace(PLANNED, checkpoint_steps=1)  # the same run's folder
+    with stopped_at_save(in_last_epoch, written=True):
+        train(every_step, data, tmp_path / "last-epoch")
+    folder = trainer.run_dir(PLANNED, LESSON, tmp_path / "last-epoch")
+    assert trainer.read_checkpoint(folder / "last.pt")["plan"]["epochs"] == plan["epochs"]
+    (folder / "plan.json").write_text("{garbage")
+    resumed = train(PLANNED, data, tmp_path / "last-epoch")
+    assert_same_weights(straight.model, resumed.model)
+    assert [resumed.plan[k] for k in KEPT] == [plan[k] for k in KEPT]

@@ -1,4 +1,5 @@
-"""DistributedDataParallel on CPU with gloo: sharding, equivalence, failures, torchrun."""
+"""DistributedDataParallel on CPU with gloo: sharding, equivalence, failures, machines
+that share no filesystem, torchrun."""
 
 import dataclasses
 import os
@@ -6,6 +7,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import stopping_jobs
@@ -13,6 +15,8 @@ import torch
 from conftest import MIRROR, ROOT
 
 import annotated_transformer as at
+import trainer
+from plumbing import free_port
 
 TINY = at.Settings(
     name="ddp-test",
@@ -29,6 +33,8 @@ TINY = at.Settings(
     warmup=8,
 )
 pytestmark = pytest.mark.skipif(not MIRROR.is_dir(), reason=f"no Multi30k mirror at {MIRROR}")
+CPU = torch.device("cpu")
+LESSON = trainer.Lesson.of(at)
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +57,9 @@ def test_shards_are_disjoint_equal_and_cover_every_pair(world_size):
 ADAM = at.make_optimizer  # the notebook's, kept before sgd_rank replaces it in a rank
 
 
-def sgd_with_the_schedule(model, settings, fused=False, ranks=1, total_steps=None):
-    """make_optimizer with plain SGD in place of Adam: the same learning-rate schedule.
+def sgd_with_the_schedule(model, settings, *, fused=False, total_steps=None, ranks=1):
+    """make_optimizer with plain SGD in place of Adam: the same learning-rate schedule,
+    taken `ranks` steps at a time (as ddp_epoch advances it once per rank).
 
     SGD moves each weight by lr times its gradient, so two trainings whose gradients
     differ by rounding end with weights that differ by rounding. Adam divides each
@@ -60,26 +67,27 @@ def sgd_with_the_schedule(model, settings, fused=False, ranks=1, total_steps=Non
     embedding row no batch holds, the key projection's bias) gets rounding noise
     blown up into a full step of size lr, whose sign depends on the CPU's kernels.
     """
-    _, schedule = ADAM(model, settings, fused, ranks, total_steps)
+    _, schedule = ADAM(model, settings, total_steps=total_steps)
+    rate = schedule.lr_lambdas[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: rate(ranks * s))
 
 
 def sgd_rank(rank: int, world_size: int, fields: dict, data_dir: str, port: int) -> None:
-    """at.ddp_worker, training with sgd_with_the_schedule (a spawned process's own copy
-    of the notebook is patched, nothing in the test process)."""
+    """trainer.ddp_worker, training with sgd_with_the_schedule (a spawned process's own
+    copy of the notebook is patched, nothing in the test process)."""
     at.make_optimizer = sgd_with_the_schedule
-    at.ddp_worker(rank, world_size, fields, data_dir, port)
+    trainer.ddp_worker(rank, world_size, fields, data_dir, port)
 
 
-def reference_training(settings, data, world_size):
+def reference_training(settings, data, data_dir, world_size):
     """One process, no accumulation: each optimizer step sees, padded into one batch, all
     the pairs that the ranks' micro-batches of that step hold together."""
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs)
     optimizer, schedule = sgd_with_the_schedule(model, settings, ranks=world_size)
     pad = data.vocabs["en"].pad_id
-    criterion = at.training_loss(settings, data.vocabs)
+    criterion = trainer.new_run(LESSON, settings, data, data_dir, CPU).criterion  # the ranks'
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
     for epoch in range(settings.epochs):
         indices = at.bucket_batches(
@@ -88,8 +96,14 @@ def reference_training(settings, data, world_size):
         indices = at.divisible_batches(indices, world_size)
         steps = [sum(indices[i : i + per_step], []) for i in range(0, len(indices), per_step)]
         batches = [at.collate(data.train, step, pad) for step in steps]
-        at.run_epoch(batches, model, criterion, optimizer=optimizer, schedule=schedule)
+        at.run_epoch(batches, model, criterion, optimizer, schedule)
     return model
+
+
+def only_folder(data_dir, settings) -> Path:
+    """The one run folder of `settings` under data_dir (whatever its lesson's code)."""
+    (folder,) = (Path(data_dir) / "checkpoints").glob(f"{settings.name}-*")
+    return folder
 
 
 def test_the_ranks_shards_hold_different_numbers_of_tokens(tmp_path):
@@ -113,11 +127,11 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path):
     batch shapes, an all-reduce), so every weight may differ by rounding, no more."""
     settings = dataclasses.replace(TINY, lr_factor=10.0)  # SGD steps of a visible size
     data = at.prepare_data(settings, tmp_path)
-    args = (2, dataclasses.asdict(settings), str(tmp_path), at.free_port())
+    args = (2, dataclasses.asdict(settings), str(tmp_path), free_port())
     torch.multiprocessing.spawn(sgd_rank, args=args, nprocs=2, join=True)
-    final = torch.load(at.checkpoint_dir(settings, tmp_path) / "final.pt", weights_only=True)
+    final = torch.load(only_folder(tmp_path, settings) / "final.pt", weights_only=True)
     assert len(final["history"]) == settings.epochs
-    reference = reference_training(settings, data, world_size=2).state_dict()
+    reference = reference_training(settings, data, tmp_path, world_size=2).state_dict()
     at.set_seed(settings.seed)
     start = at.model_for(settings, data.vocabs).state_dict()
     assert final["model"].keys() == reference.keys()
@@ -130,15 +144,24 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path):
 
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path):
+    """start_or_resume seeds by rank (one process here stands for each rank in turn:
+    world_size stays 1, so no process group is needed to wrap the model)."""
     data = at.prepare_data(TINY, tmp_path)
-    cpu, weights, masks = torch.device("cpu"), [], []
+
+    def start(rank: int) -> torch.nn.Module:
+        run = trainer.new_run(LESSON, TINY, data, tmp_path, CPU, rank=rank)
+        run.plan = trainer.plan_run(run, probe=None)  # a fixed run: nothing to measure
+        trainer.start_or_resume(run, None)
+        return run.model
+
+    weights, masks = [], []
     for rank in (0, 1):
-        model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank=rank, world_size=2)
+        model = start(rank)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         masks.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
     assert torch.equal(weights[0], weights[1])
     assert (masks[0] != masks[1]).float().mean() > 0.3  # independent masks differ in ~half
-    model, *_ = at.start_or_resume(TINY, data.vocabs, cpu, tmp_path, rank=1, world_size=2)
+    start(1)
     again = torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0
     assert torch.equal(again, masks[1]), "a rank's stream is the same on every run"
 
@@ -154,7 +177,8 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     at.prepare_data(settings, tmp_path / "stopped")
     with pytest.raises(Exception, match="stopped on purpose at step 5"):
         stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=5)
-    folder = at.checkpoint_dir(settings, tmp_path / "stopped")
+    # the stopped job's optimizer was instrumented, its folder is still the run's own
+    folder = trainer.run_dir(settings, LESSON, tmp_path / "stopped")
     last = torch.load(folder / "last.pt", weights_only=True)
     position = last["ranks"][0]["position"]
     assert last["state"]["step"] == 4 and position["epoch"] == 0 and position["batches"] == 8
@@ -162,7 +186,9 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
-        torch.load(at.checkpoint_dir(settings, tmp_path / run) / "final.pt", weights_only=True)
+        torch.load(
+            trainer.run_dir(settings, LESSON, tmp_path / run) / "final.pt", weights_only=True
+        )
         for run in ("straight", "stopped")
     )
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -185,14 +211,37 @@ def run_script(code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess,
 
 def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path):
     code = (
-        "import annotated_transformer as at, dataclasses;"
-        f"at.train_distributed(at.Settings(**{dataclasses.asdict(TINY)!r}), 2, {str(tmp_path)!r})"
+        "import annotated_transformer as at, trainer;"
+        f"trainer.train_distributed(at.Settings(**{dataclasses.asdict(TINY)!r}), "
+        f"{str(tmp_path)!r}, 2)"
     )
     result, seconds = run_script(code, tmp_path, AT_FAIL_RANK="1")
     assert result.returncode != 0
     assert "rank 1 failed on purpose" in result.stderr
     assert seconds < 60
-    assert not (at.checkpoint_dir(TINY, tmp_path) / "final.pt").exists()
+    assert not list(tmp_path.glob("checkpoints/*/final.pt"))
+
+
+def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path):
+    """Two machines without a shared filesystem: a job stopped mid-epoch left its last.pt
+    on rank 0's disk only. Started again, both ranks stop before training, with one
+    CheckpointError that names the cure, rather than rank 0 resuming, rank 1 starting
+    afresh and the job hanging."""
+    fields = dataclasses.asdict(dataclasses.replace(TINY, checkpoint_steps=2))
+    first = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120, fail_at=3)
+    assert "stopped on purpose at step 3" in str(first)
+    last = trainer.run_dir(TINY, LESSON, stopping_jobs.machine_folder(tmp_path, 0)) / "last.pt"
+    written = last.read_bytes()
+    second = stopping_jobs.machine_folder(tmp_path, 1)
+    assert not list(second.glob("checkpoints/*/*.pt"))  # rank 0 alone writes checkpoints
+
+    start = time.perf_counter()
+    error = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120)
+    assert error is not None, "the job ran as if every rank saw the same checkpoint"
+    assert "CheckpointError" in str(error)
+    assert "put data/ on a filesystem that every machine shares" in str(error)
+    assert time.perf_counter() - start < 120
+    assert last.read_bytes() == written and not list(second.glob("checkpoints/*/*.pt"))
 
 
 def test_torchrun_entry_point_runs_two_processes(tmp_path):
@@ -213,6 +262,7 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path):
         env={**os.environ, "AT_PRESET": "smoke", "AT_DATA_DIR": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    final = torch.load(tmp_path / "checkpoints" / "smoke" / "final.pt", weights_only=True)
-    assert len(final["history"]) == at.get_settings("smoke").epochs
+    smoke = at.get_settings("smoke")
+    final = torch.load(trainer.run_dir(smoke, LESSON, tmp_path) / "final.pt", weights_only=True)
+    assert len(final["history"]) == smoke.epochs
     assert time.perf_counter() - start < 300

@@ -9,8 +9,7 @@ import xml.etree.ElementTree as ET
 import nbformat
 import pytest
 from bs4 import BeautifulSoup
-from conftest import ROOT
-from nbclient import NotebookClient
+from conftest import DATA_AT_START, EXECUTED, ROOT, files_under, run_smoke_notebook
 
 sys.path.insert(0, str(ROOT / "tools"))
 import export_html  # noqa: E402
@@ -131,26 +130,56 @@ def test_a_folded_note_in_markdown_holds_its_paragraphs(tmp_path):
     assert "Before the note" not in note.get_text()
 
 
-def test_the_notebook_folds_its_plumbing_cells():
-    """The resumable training loop and the DDP worker are folded, in JupyterLab too."""
+def test_the_notebook_folds_only_what_is_not_the_lesson():
+    """The folded cells are the Colab set-up, the exercises' solutions and a few helpers;
+    they stay folded in JupyterLab too. The training machinery is not in the notebook."""
     notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
     folded = [c for c in notebook.cells if "hide-input" in c.metadata.get("tags", [])]
-    names = " ".join(c.source for c in folded)
-    for name in ("def train_epoch(", "def train_model(", "class Run:", "def ddp_worker("):
-        assert name in names, name
+    assert "google.colab" in folded[0].source
     assert all(c.metadata.get("jupyter", {}).get("source_hidden") for c in folded)
+    code = " ".join(c.source for c in notebook.cells if c.cell_type == "code")
+    for name in ("def train_model(", "def plan_run(", "def ddp_worker(", "class Run"):
+        assert name not in code, f"{name} belongs in trainer.py"
+
+
+def executed_notebook(tmp_path_factory):
+    """The notebook as nbval ran it in this session, or, when this file runs alone, the
+    notebook run here with the smoke preset, its files under a folder of its own."""
+    notebook = EXECUTED.get(ROOT / "annotated_transformer.ipynb")
+    if notebook is not None:
+        return notebook
+    notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
+    build = tmp_path_factory.mktemp("smoke")
+    run_smoke_notebook(notebook, build, coalesce_streams=True)
+    return notebook
 
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    """The notebook executed with the smoke preset and exported; (html path, chart count)."""
-    notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=900, resources={"metadata": {"path": str(ROOT)}}).execute()
+    """The executed smoke notebook and its exported page: (notebook, html path, charts)."""
+    notebook = executed_notebook(tmp_path_factory)
     executed = tmp_path_factory.mktemp("page") / "executed.ipynb"
     nbformat.write(notebook, executed)
     html = BUILD / "annotated_transformer.html"
     charts = export_html.export(executed, html)
     return notebook, html, charts
+
+
+def test_the_page_keeps_at_most_one_progress_line_per_epoch(page):
+    """Training's bars clear themselves when an epoch ends (the live bar is for the one
+    watching); the page keeps the one line that each epoch prints."""
+    notebook, html, _ = page
+    text = BeautifulSoup(html.read_text(encoding="utf-8"), "html.parser").get_text("\n")
+    bars = [line for line in text.splitlines() if re.search(r"\d+%\|", line)]
+    epochs = [line for line in text.splitlines() if re.match(r"\s*epoch \d+: train loss", line)]
+    assert len(epochs) >= 2, "the smoke run prints one line per epoch"
+    assert len(bars) <= 2, f"progress bars left on the page: {bars[:3]}"
+
+
+def test_the_smoke_run_leaves_the_data_folder_alone(page):
+    """The tests' notebook run keeps its caches and checkpoints under build/smoke/, so a
+    contributor's data/ (and the models in it) is never read or changed by `make test`."""
+    assert files_under(ROOT / "data") == DATA_AT_START
 
 
 def test_no_output_holds_a_traceback(page):
@@ -167,7 +196,7 @@ def test_page_is_self_contained(page):
     assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
     assert not re.search(r'<img[^>]*src="https?://', text), "an image would need the network"
     assert "window.vegaEmbed" in text and "<math" in text
-    assert text.count('<details class="folded-code">') >= 10  # the plumbing, one click away
+    assert text.count('<details class="folded-code">') >= 10  # solutions, one click away
 
 
 def explorers(notebook) -> list[dict]:

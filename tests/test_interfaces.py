@@ -1,65 +1,41 @@
-"""Explicit interfaces: misspelt settings are errors, knobs travel as small typed records."""
+"""Explicit interfaces: a setting outside its values is refused, knobs travel as small
+typed records, and a run's folder is named by what shapes its training."""
 
 import dataclasses
-from pathlib import Path
+import inspect
 
 import pytest
 import torch
 from torch import nn
 
 import annotated_transformer as at
-
-
-def test_a_misspelt_model_setting_is_a_type_error():
-    """`pre_nrom=True` must not silently build the paper's post-norm model."""
-    with pytest.raises(TypeError, match="pre_nrom"):
-        at.make_model(11, 11, pre_nrom=True)
-    with pytest.raises(TypeError, match="pre_nrom"):
-        at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, pre_nrom=True)
+import trainer
 
 
 @pytest.mark.parametrize(
-    "call",
+    "change, message",
     [
-        lambda: at.run_epoch([], nn.Linear(2, 2), None, None, None, accum_iters=2),
-        lambda: at.evaluate([], nn.Linear(2, 2), None, autocasts=None),
-        lambda: at.translate(nn.Linear(2, 2), [], {}, beam=4),
-        lambda: at.LoopExtras(clip=1.0),
-        lambda: at.train_copy_task(epochs=1, make_batches=at.copy_batch),
-        lambda: at.train_model(at.SMOKE, None, devices="cpu"),
-        lambda: at.load_trained_model(at.SMOKE, None, device_name="cpu"),
-    ],
-    ids=[
-        "run_epoch",
-        "evaluate",
-        "translate",
-        "LoopExtras",
-        "train_copy_task",
-        "train_model",
-        "load_trained_model",
+        ({"precision": "bf61"}, "precision='bf61': use one of fp32, bf16, auto"),
+        ({"schedule": "cosine"}, "schedule='cosine': use one of inverse_sqrt, linear"),
     ],
 )
-def test_misspelt_keywords_are_refused_before_any_work(call):
-    with pytest.raises(TypeError, match="unexpected keyword argument"):
-        call()
+def test_a_setting_outside_its_values_is_refused_in_one_line(change, message):
+    """A misspelt precision or schedule stops at once, naming the setting and the values
+    it takes, whether the settings are made or changed from a preset."""
+    for make in (
+        lambda: at.Settings(name="x", **change),
+        lambda: dataclasses.replace(at.get_settings("cpu"), **change),
+    ):
+        with pytest.raises(ValueError) as error:
+            make()
+        assert str(error.value) == message
 
 
-def test_the_loop_extras_change_nothing_by_default():
-    """run_epoch with NO_EXTRAS takes the same step as with an explicit plain record."""
-    torch.manual_seed(0)
-    model = at.make_model(9, 9, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0))
-    batch = at.Batch(torch.tensor([[1, 5, 6, 2]]), torch.tensor([[1, 7, 8, 2]]), 0)
-    criterion = at.LabelSmoothing(9, 0, 0.1)
-    after = []
-    for extras in (at.NO_EXTRAS, at.LoopExtras(clip_norm=None, ranks=1, totals=(0.0, 0))):
-        copy = at.make_model(9, 9, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0))
-        copy.load_state_dict(model.state_dict())
-        optimizer = torch.optim.SGD(copy.parameters(), lr=0.1)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        at.run_epoch([batch], copy, criterion, optimizer, schedule, extras=extras)
-        after.append(torch.cat([p.detach().flatten() for p in copy.parameters()]))
-    assert torch.equal(after[0], after[1])
-    assert not torch.equal(after[0], torch.cat([p.flatten() for p in model.parameters()]))
+def test_every_value_a_setting_allows_is_accepted():
+    for precision in ("fp32", "bf16", "auto"):
+        assert at.Settings(name="x", precision=precision).precision == precision
+    for schedule in ("inverse_sqrt", "linear"):
+        assert at.Settings(name="x", schedule=schedule).schedule == schedule
 
 
 def test_evaluate_measures_the_mean_loss_per_real_target_token():
@@ -95,11 +71,10 @@ def test_the_model_settings_travel_as_one_config_and_reach_every_layer():
     assert isinstance(model.encoder.final_norm, nn.LayerNorm)  # pre-norm's last norm
 
 
-def test_a_model_config_is_frozen_and_defaults_to_the_base_model():
+def test_a_model_config_defaults_to_the_papers_base_model():
     config = at.ModelConfig()
     assert (config.N, config.d_model, config.d_ff, config.h) == (6, 512, 2048, 8)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        config.d_model = 16
+    assert (config.dropout, config.pre_norm) == (0.1, False)  # P_drop 0.1, post-norm
 
 
 def test_max_positions_sizes_the_positional_tables():
@@ -107,15 +82,6 @@ def test_max_positions_sizes_the_positional_tables():
     assert at.positions_of(model) == 40
     preset_model = at.model_for(at.SMOKE, {"de": range(11), "en": range(13)})
     assert at.positions_of(preset_model) == at.MAX_POSITIONS
-
-
-def test_one_name_for_each_length():
-    """max_train_len filters training pairs; MAX_POSITIONS sizes the tables; the decoders
-    take max_output_len. The old max_len, which meant all three, is gone."""
-    fields = {f.name for f in dataclasses.fields(at.Settings)}
-    assert "max_train_len" in fields and "max_len" not in fields
-    source = Path(at.__file__).read_text()
-    assert "max_len" not in source.replace("max_train_len", "")
 
 
 def test_special_ids_come_from_the_vocabulary_in_one_record():
@@ -143,20 +109,39 @@ def test_greedy_and_beam_search_take_the_same_special_ids():
                 assert all(w == ids.pad for w in row[row.index(ids.end) + 1 :])
 
 
-def test_the_run_is_built_with_keywords_only():
-    with pytest.raises(TypeError):
-        at.Run(at.SMOKE, None, Path("data"))  # positional fields are refused
+def test_a_runs_folder_is_named_by_its_preset_and_what_shapes_its_training(tmp_path):
+    """data/checkpoints/<preset>-<8 hex digits>: a setting that changes training, or an
+    edited lesson function (even one that training reaches only through another), trains
+    into a new folder; decoding and checkpointing settings find the same run."""
+    lesson = trainer.Lesson.of(at)
+    folder = trainer.run_dir(at.SMOKE, lesson, tmp_path)
+    assert folder.parent == tmp_path / "checkpoints"
+    name, _, key = folder.name.rpartition("-")
+    assert name == "smoke" and len(key) == 8 and int(key, 16) >= 0
+    assert trainer.run_dir(at.SMOKE, trainer.Lesson.of(vars(at)), tmp_path) == folder
+    same = {"beam_size": 9, "length_penalty": 0.1, "checkpoint_steps": 3}
+    assert trainer.run_dir(dataclasses.replace(at.SMOKE, **same), lesson, tmp_path) == folder
+    others = [
+        trainer.run_dir(dataclasses.replace(at.SMOKE, **{field: value}), lesson, tmp_path)
+        for field, value in [("epochs", 3), ("lr_factor", 0.5), ("seed", 1), ("dropout", 0.2)]
+    ]
+    assert len({folder, *others}) == 5
+    renamed = trainer.run_dir(dataclasses.replace(at.SMOKE, name="mine"), lesson, tmp_path)
+    assert renamed.name == f"mine-{key}"
+    # the lesson with tokens_per_step edited, as a student might edit its cell: only
+    # run_epoch calls it, and run_epoch itself is unchanged
+    namespace = dict(vars(at))
+    edited = inspect.getsource(at.tokens_per_step).replace("b.ntokens", "2 * b.ntokens")
+    exec(edited, namespace)  # defined as the notebook defines it, in its namespace
+    assert namespace["tokens_per_step"] is not at.tokens_per_step
+    assert trainer.run_dir(at.SMOKE, trainer.Lesson.of(namespace), tmp_path) != folder
 
 
-def test_a_position_round_trips_through_a_checkpoint_dict():
-    position = at.Position(epoch=3, batches=7, loss=12.5, tokens=400, seconds=9.0)
-    assert at.Position(**dataclasses.asdict(position)) == position
-    assert at.Position(epoch=2) == at.Position(2, 0, 0.0, 0, 0.0)  # the start of an epoch
-
-
-def test_checkpoint_files_are_named_in_one_place(tmp_path):
-    folder = at.checkpoint_dir(at.SMOKE, tmp_path)
-    assert at.checkpoint_path(at.SMOKE, tmp_path, "last") == folder / "last.pt"
-    assert at.checkpoint_path(at.SMOKE, tmp_path, "epoch-4") == folder / "epoch-4.pt"
-    source = Path(at.__file__).read_text()
-    assert source.count('"last.pt"') == source.count('"final.pt"') == 0, "use checkpoint_path"
+def test_a_lesson_missing_a_function_says_which_and_what_to_do():
+    namespace = dict(vars(at))
+    del namespace["run_epoch"], namespace["model_for"]
+    with pytest.raises(NameError) as error:
+        trainer.Lesson.of(namespace)
+    assert str(error.value) == (
+        "the notebook has no model_for, run_epoch: run the cells above this one first"
+    )

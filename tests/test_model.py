@@ -265,6 +265,8 @@ def test_dropout_sits_where_the_paper_puts_it():
         11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.2)
     )
     assert asked.decoder.layers[0].cross_attn.dropout.p == 0.2
-    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, attention_dropout=0.3)
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, dropout=0.3)
     vocabs = {"de": at.Vocab([*at.SPECIALS, "x"]), "en": at.Vocab([*at.SPECIALS, "y"])}
-    assert at.model_for(settings, vocabs).encoder.layers[0].self_attn.dropout.p == 0.3
+    trained = at.model_for(settings, vocabs).encoder.layers[0]  # what the presets train
+    assert trained.attn_sublayer.dropout.p == 0.3 and trained.self_attn.dropout.p == 0.0
+    assert trained.self_attn.use_sdpa  # the fused kernel, the same function (tests above)

@@ -82,3 +82,15 @@ def test_peak_memory_reads_kib_on_linux_and_bytes_on_macos(monkeypatch, platform
 def test_peak_memory_is_none_without_the_resource_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "resource", None)  # as on Windows: import fails
     assert plumbing.peak_memory_gb() is None
+
+
+def test_a_folder_that_cannot_be_made_is_one_clear_line(tmp_path):
+    """A dangling link where a folder must go blocks it without any file in the way: the
+    message says so, where a search for the blocking file once raised StopIteration."""
+    (tmp_path / "data").symlink_to(tmp_path / "nowhere")
+    target = tmp_path / "data" / "tokens" / "train.json"
+    with pytest.raises(plumbing.DataError) as error:
+        plumbing.write_atomically(target, b"{}")
+    message = str(error.value)
+    assert message.startswith(f"cannot create the folder {target.parent}: ")
+    assert "\n" not in message and not (tmp_path / "nowhere").exists()

@@ -24,8 +24,8 @@ import tune  # noqa: E402
         ("lr_factor=1", ("lr_factor", 1.0)),
         ("epochs=12", ("epochs", 12)),  # int
         ("pre_norm=true", ("pre_norm", True)),  # bool
-        ("use_sdpa=False", ("use_sdpa", False)),
-        ("use_sdpa=0", ("use_sdpa", False)),
+        ("pre_norm=False", ("pre_norm", False)),
+        ("pre_norm=0", ("pre_norm", False)),
         ("schedule=linear", ("schedule", "linear")),  # str
     ],
 )
@@ -45,6 +45,7 @@ def test_tune_types_a_change_by_its_field(text, change):
         ("epochs=none", "'epochs=none': epochs takes an integer"),  # not optional
         ("lr_factor=half", "'lr_factor=half': lr_factor takes a number"),
         ("pre_norm=maybe", "'pre_norm=maybe': pre_norm takes true or false"),
+        ("schedule=cosine", "'schedule=cosine': schedule takes one of inverse_sqrt, linear"),
     ],
 )
 def test_tune_rejects_a_bad_change_in_one_line(text, message):

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import functools
 import math
 
 import pytest
@@ -150,26 +151,27 @@ def test_make_optimizer_follows_rate():
         schedule.step()
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_learning_rate_with_ranks_follows_the_data_seen_and_keeps_the_peak(ranks):
-    """Step s of a W-rank run gets rate((s + 1) * W): the single-process rate at the same
-    amount of data. The peak equals the single process's, not sqrt(W) times it."""
-    settings = at.Settings(name="t", d_model=64, warmup=40)
-    peaks = []
-    for world in (1, ranks):
-        optimizer, schedule = at.make_optimizer(nn.Linear(2, 2), settings, ranks=world)
-        lrs = []
-        for _ in range(200):
-            lrs.append(optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            schedule.step()
-        for s in (0, 5, 50):
-            assert math.isclose(lrs[s], at.rate((s + 1) * world, d_model=64, warmup=40))
-        peaks.append(max(lrs))
-        if world > 1:
-            assert lrs.index(max(lrs)) + 1 == 40 // world  # warm-up over the same data
-    assert math.isclose(peaks[0], peaks[1], rel_tol=1e-12)
-    assert math.isclose(peaks[0], 64**-0.5 * 40**-0.5)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_epochs_rate_follows_the_data_seen_and_keeps_the_peak(world_size):
+    """ddp_epoch advances the schedule W times per optimizer step: its step s gets the rate
+    of a single process after s * W steps, the same amount of data. The warm-up ends after
+    the same data, and the peak is the single process's, not sqrt(W) times it."""
+    warmup = 41  # (warmup - 1) divides by W, so a W-rank step lands on the peak itself
+    settings = at.Settings(name="t", d_model=64, warmup=warmup)
+    model = tiny_model()
+    optimizer, schedule = at.make_optimizer(model, settings)
+    lrs = []
+    optimizer.register_step_pre_hook(lambda opt, *_: lrs.append(opt.param_groups[0]["lr"]))
+    steps = 3 * warmup // world_size
+    batches = [random_batch(batch_size=1, length=1) for _ in range(steps)]
+    criterion = at.LabelSmoothing(V, PAD, 0.1)
+    at.ddp_epoch(batches, model, criterion, optimizer, schedule, world_size=world_size)
+    assert len(lrs) == steps and schedule.last_epoch == steps * world_size
+    for s in range(steps):
+        single = at.rate(s * world_size + 1, d_model=64, warmup=warmup)  # make_optimizer's
+        assert math.isclose(lrs[s], single, rel_tol=1e-12), s
+    assert lrs.index(max(lrs)) == (warmup - 1) // world_size
+    assert math.isclose(max(lrs), 64**-0.5 * warmup**-0.5, rel_tol=1e-12)
 
 
 # --- run_epoch and gradient accumulation -----------------------------------------------
@@ -269,28 +271,34 @@ def test_tokens_per_step_sums_each_group_including_a_short_last_one():
 
 
 @pytest.mark.numerics
-def test_ranks_scale_the_loss_that_ddp_averages():
-    """With step_tokens counted over W ranks and ranks=W, one rank's gradient is W times
-    its share of the global mean, so DDP's average over ranks gives the global mean."""
+def test_a_rank_divides_its_loss_by_its_share_of_all_ranks_tokens(monkeypatch):
+    """ddp_epoch divides a rank's summed loss by the step's real target tokens on all W
+    ranks over W, so that DDP's average of the ranks' gradients is the gradient of the
+    mean over all of them. This rank holds 13 tokens (11 + 2) and a stand-in for the
+    other rank's all-reduce adds 39: the gradient is 13 / (52 / 2), half of that of a
+    process training on these 13 tokens alone. Dividing by the rank's own tokens (a mean
+    of means) would give all of it, forgetting the W a quarter."""
+    shared = []
+
+    def sum_over_ranks(values, device):
+        shared.append(list(values))
+        return [tokens + 39 for tokens in values]
+
+    monkeypatch.setattr(at, "sum_over_ranks", sum_over_ranks)
     micro = unequal_micro_batches()
     start = tiny_model()
     grads = []
-    for ranks, step_tokens in ((1, None), (2, [26])):  # 26: as if another rank had 13 too
+    for epoch in (at.run_epoch, functools.partial(at.ddp_epoch, world_size=2)):
         model = copy.deepcopy(start)
+        model.no_sync = contextlib.nullcontext  # DDP's; a plain model has nothing to skip
         optimizer, schedule = sgd(model, lr=0.0)  # lr 0: keep the gradient, move nothing
         optimizer.zero_grad = lambda set_to_none=True: None  # keep .grad for the check
-        at.run_epoch(
-            micro,
-            model,
-            at.LabelSmoothing(V, PAD, 0.1),
-            optimizer=optimizer,
-            schedule=schedule,
-            accum_iter=2,
-            extras=at.LoopExtras(ranks=ranks, step_tokens=step_tokens),
-        )
+        criterion = at.LabelSmoothing(V, PAD, 0.1)
+        epoch(micro, model, criterion, optimizer=optimizer, schedule=schedule, accum_iter=2)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert shared == [[13]], "one all-reduce of the step token counts, before the epoch"
     assert grads[0].abs().max() > 1e-3
-    assert torch.allclose(grads[0], grads[1], atol=1e-7)  # 2 / 26 == 1 / 13
+    assert torch.allclose(grads[1], grads[0] / 2, atol=1e-8)
 
 
 @pytest.mark.numerics
@@ -331,6 +339,46 @@ def test_step_counting_with_accumulation():
     assert state.micro_batches == 5 and state.samples == 10
     assert state.tokens == sum(b.ntokens for b in batches)
     assert all(p.grad is None for p in model.parameters()), "no gradient is left over"
+
+
+def test_run_epochs_options_act_on_every_step():
+    """autocast wraps every forward pass; on_step follows every optimizer step with the
+    micro-batches done and the summed loss and real target tokens so far; clip_norm
+    bounds every update (SGD with lr 1 moves the weights by the clipped gradient)."""
+    batches = [random_batch() for _ in range(5)]
+    start = tiny_model()
+    entered, calls, moved = [], [], []
+
+    @contextlib.contextmanager
+    def autocast():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    for clip_norm in (1e-3, None):
+        model = copy.deepcopy(start)
+        optimizer, schedule = sgd(model, lr=1.0)
+        loss = at.run_epoch(
+            batches,
+            model,
+            at.LabelSmoothing(V, PAD, 0.1),
+            optimizer,
+            schedule,
+            accum_iter=2,
+            clip_norm=clip_norm,
+            autocast=autocast,
+            on_step=lambda *progress: calls.append(progress),
+        )
+        pairs = zip(start.parameters(), model.parameters(), strict=True)
+        moved.append(torch.cat([(p - q).flatten() for p, q in pairs]).norm().item())
+        if clip_norm is not None:
+            assert entered == [True] * 5, "one forward pass per micro-batch, with gradients"
+            assert [done for done, _, _ in calls] == [2, 4, 5]
+            tokens = [b.ntokens for b in batches]
+            assert [t for _, _, t in calls] == [sum(tokens[:2]), sum(tokens[:4]), sum(tokens)]
+            assert 0 < calls[0][1] < calls[1][1] < calls[2][1]
+            assert math.isclose(loss, calls[-1][1] / calls[-1][2], rel_tol=1e-12)
+    assert 0 < moved[0] <= 3 * 1e-3 * (1 + 1e-4), "three steps of at most clip_norm each"
+    assert moved[1] > 10 * moved[0], "the gradients were large enough to be clipped"
 
 
 def test_evaluation_changes_nothing_and_keeps_no_graph():
@@ -480,4 +528,3 @@ def test_bf16_autocast_stays_close_to_fp32():
     assert low.dtype == torch.float32  # the loss itself is computed in float32
     assert not torch.equal(low, exact)  # bf16 really was used ...
     assert torch.allclose(low, exact, rtol=2e-2)  # ... and stays within ~1% of fp32
-    assert at.autocast_for(torch.device("cpu"), "fp32") is contextlib.nullcontext

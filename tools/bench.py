@@ -4,11 +4,13 @@
     .venv/bin/python tools/bench.py --preset smoke --repeats 2 --out /tmp/bench.json
     .venv/bin/python tools/bench.py --compile   # also our model under torch.compile
 
-It measures what `make run` does. Training runs in the precision that the run's own
-calibration picks (`at.choose_precision`: bf16 on a CPU where it pays off, with the
-preset's settings), through the notebook's loop (`at.run_epoch`, which clips and steps
-as a run does); decoding goes through the run's own `at.evaluate_test`, with the preset's
-beam size and length penalty.
+It measures what `make run` does, with the notebook's functions as `trainer.Lesson.of`
+takes them from its `.py` twin. Training runs in the precision that the run's own
+calibration picks (`trainer.choose_precision`: bf16 on a CPU where it pays off, with the
+preset's settings), with the run's loss, through the notebook's loop (`at.run_epoch`,
+which clips and steps as a run does); decoding loads the run's final checkpoint from its
+folder (`trainer.run_dir`) and goes through the run's own `at.evaluate_test`, with the
+preset's beam size and length penalty.
 
 Four comparisons, each measured side by side in one run because machines are noisy:
 warm-up excluded, the median of several repeats, the two contenders interleaved.
@@ -49,7 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+import trainer  # noqa: E402
 from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
+
+LESSON = trainer.Lesson.of(at)  # the notebook's functions, as `make run` trains with them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +131,14 @@ def fresh_training(settings: at.Settings, build, device: torch.device):
     model = build().to(device)
     # the rate's value does not change a step's cost; a linear schedule needs an end
     fused, end = device.type == "cuda", 10 * settings.warmup
-    optimizer, schedule = at.make_optimizer(model, settings, fused, total_steps=end)
+    optimizer, schedule = at.make_optimizer(model, settings, fused=fused, total_steps=end)
     return model, optimizer, schedule
+
+
+def new_run(settings: at.Settings, data: at.Multi30k, device, data_dir: Path = at.DATA_DIR):
+    """The preset's run before any training, as `make run` starts it: its folder under
+    data_dir, its loss (`run.criterion`) and its validation batches."""
+    return trainer.new_run(LESSON, settings, data, data_dir, device, show=False)
 
 
 # 0. The precision that `make run` trains in
@@ -136,17 +147,19 @@ def fresh_training(settings: at.Settings, build, device: torch.device):
 def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dict:
     """The precision `make run` would train in, picked as it picks it.
 
-    at.choose_precision on a fresh model of the preset and the run's first validation
-    batch (train_model calibrates on that one): bf16 where the preset says "auto" and bf16
-    pays off here, else float32. Returns the choice and what the calibration printed.
+    trainer.choose_precision on a fresh model of the preset, the run's loss and its first
+    validation batch (trainer.train_model calibrates on those): bf16 where the preset says
+    "auto" and bf16 pays off here, else float32. Returns the choice and what the
+    calibration printed.
     """
-    at.set_seed(settings.seed)
-    model = at.model_for(settings, data.vocabs).to(device)
-    criterion = at.training_loss(settings, data.vocabs)
-    batch = at.validation_batches(data, settings, device)[0]
+    run = new_run(settings, data, device)
+    LESSON.set_seed(settings.seed)
+    probe = LESSON.model_for(settings, data.vocabs).to(device)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        precision = at.choose_precision(settings, device, model, batch, criterion, history=[])
+        precision = trainer.choose_precision(
+            settings, device, LESSON, probe, run.val_batches[0], run.criterion, run.world_size
+        )
     return {"precision": precision, "calibration": printed.getvalue().strip() or None}
 
 
@@ -208,9 +221,12 @@ def fixed_batches(data: at.Multi30k, settings: at.Settings, count: int, device) 
     return [at.collate(data.train, b, pad_id).to(device) for b in indices[:count]]
 
 
-def as_a_run_trains(settings: at.Settings, device, precision: str) -> at.LoopExtras:
-    """The clipping and mixed precision that train_epoch gives run_epoch."""
-    return at.LoopExtras(clip_norm=settings.clip_norm, autocast=at.autocast_for(device, precision))
+def as_a_run_trains(settings: at.Settings, device, precision: str) -> dict:
+    """The clipping and mixed precision that trainer.train_epoch gives run_epoch."""
+    return {
+        "clip_norm": settings.clip_norm,
+        "autocast": trainer.autocast_for(device, precision),
+    }
 
 
 def train_round(training, criterion, batches, settings: at.Settings, precision: str) -> float:
@@ -221,10 +237,10 @@ def train_round(training, criterion, batches, settings: at.Settings, precision: 
     model, optimizer, schedule = training
     device = next(model.parameters()).device
 
-    extras = as_a_run_trains(settings, device, precision)
+    options = as_a_run_trains(settings, device, precision)
 
     def steps():
-        at.run_epoch(batches, model, criterion, optimizer, schedule, extras=extras)
+        at.run_epoch(batches, model, criterion, optimizer, schedule, **options)
 
     seconds, _ = timed(device, steps)
     return seconds / len(batches)
@@ -244,7 +260,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
     compilation.
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
-    criterion = at.training_loss(settings, vocabs)
+    criterion = new_run(settings, data, device).criterion
     contenders = {
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
@@ -443,17 +459,16 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precisi
         schedule,
         state=state,
         accum_iter=REFERENCE["accum_iter"],
-        extras=at.LoopExtras(autocast=at.autocast_for(device, precision)),
+        autocast=trainer.autocast_for(device, precision),
     )
     return state
 
 
-def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainState:
-    """One pass of our pipeline and loop over cached ids, as a run trains; returns what it
-    counted."""
+def run_ours(pairs, training, settings, vocabs, criterion, *, precision: str) -> at.TrainState:
+    """One pass of our pipeline and loop over cached ids, as a run trains (with the run's
+    loss, `criterion`); returns what it counted."""
     model, optimizer, schedule = training
     device, pad_id = next(model.parameters()).device, vocabs["en"].pad_id
-    criterion = at.training_loss(settings, vocabs)
     indices = at.bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=0)
     batches = [at.collate(pairs, b, pad_id).to(device) for b in indices]
     state = at.TrainState()
@@ -465,16 +480,18 @@ def run_ours(pairs, training, settings, vocabs, *, precision: str) -> at.TrainSt
         schedule,
         state=state,
         accum_iter=settings.accum_iter,
-        extras=as_a_run_trains(settings, device, precision),
+        **as_a_run_trains(settings, device, precision),
     )
     return state
 
 
-def compare_pipelines(settings, race, tokenizers, vocabs, device, *, repeats, precision) -> dict:
+def compare_pipelines(
+    settings, race, tokenizers, vocabs, device, *, criterion, repeats, precision
+) -> dict:
     """Target tokens per second of both pipelines on the same pairs, runs interleaved.
 
-    Both train in `precision`. Every run trains a fresh model (same seed), built before
-    the clock starts.
+    Both train in `precision`; ours with the run's loss, `criterion`. Every run trains a
+    fresh model (same seed), built before the clock starts.
     """
 
     def run(name: str, part: str) -> tuple[float, at.TrainState]:
@@ -482,7 +499,8 @@ def compare_pipelines(settings, race, tokenizers, vocabs, device, *, repeats, pr
         if name == "ours":
             pairs = race[part]["ids"]
             return timed(
-                device, lambda: run_ours(pairs, training, settings, vocabs, precision=precision)
+                device,
+                lambda: run_ours(pairs, training, settings, vocabs, criterion, precision=precision),
             )
         text = race[part]["text"]
         return timed(
@@ -551,14 +569,16 @@ def timed_translate(model, sources, vocabs, device, **options):
 def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     """Greedy and beam decoding of the test split as `make run` decodes it (its own
     at.evaluate_test, which also scores BLEU), and cached against plain recomputation
-    with the same keywords: the preset's beam size and length penalty."""
-    loaded = at.load_final(settings, data, data_dir, device)
+    with the same keywords: the preset's beam size and length penalty. The model is the
+    final checkpoint in the run's folder under data_dir, as `make run` left it."""
+    run = new_run(settings, data, device, data_dir)
+    loaded = trainer.load_final(run)
     if loaded is None:
         return {
-            "skipped": f"no trained model in {at.checkpoint_dir(settings, data_dir)}: "
+            "skipped": f"no trained model in {run.folder}: "
             f"run `AT_PRESET={settings.name} make run` first"
         }
-    model = loaded[0].eval()
+    model = loaded.model.eval()
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty
@@ -828,7 +848,14 @@ def main(argv=None) -> None:
     print(f"2/4 pipeline in {precision}: ours against the reference loop")
     race = race_pairs(settings, text, tokens, data.vocabs, sizes)
     report["pipeline"] = compare_pipelines(
-        settings, race, tokenizers, data.vocabs, device, repeats=args.repeats, precision=precision
+        settings,
+        race,
+        tokenizers,
+        data.vocabs,
+        device,
+        criterion=new_run(settings, data, device).criterion,
+        repeats=args.repeats,
+        precision=precision,
     )
     print("3/4 padding efficiency")
     report["padding"] = compare_padding(settings, data, tokens)

@@ -141,6 +141,9 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
         if cell.cell_type == "markdown":
             cell.source = math_to_mathml(cell.source)
     charts = inline_charts(notebook)
+    for cell in (c for c in notebook.cells if c.cell_type == "code"):
+        # a progress bar that cleared itself leaves only blanks behind
+        cell.outputs = [o for o in cell.outputs if o.output_type != "stream" or o.text.strip()]
     # embed_images: nbconvert replaces <img src=...> and ![...](...) in markdown by data: URIs
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})

@@ -82,6 +82,9 @@ def main() -> None:
         engine_name="progress",
         cwd=str(args.source.resolve().parent),
         progress_bar=False,
+        # the executed notebook keeps what a progress bar last drew, not every redraw
+        # (its "\r" updates); this terminal still shows the live bars
+        coalesce_streams=True,
         stdout_file=sys.stdout,
         stderr_file=sys.stderr,
         # Unix sockets between us and the kernel: nothing on the network, so the kernel

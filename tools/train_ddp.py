@@ -1,4 +1,4 @@
-"""torchrun entry point: one DDP rank of the notebook's training.
+"""torchrun entry point: one DDP rank of the notebook's training (trainer.ddp_worker).
 
     AT_PRESET=gpu torchrun --standalone --nproc-per-node=8 tools/train_ddp.py
 
@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import annotated_transformer as at  # noqa: E402
+import trainer  # noqa: E402
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     settings = at.get_settings(os.environ.get("AT_PRESET"))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     data_dir = os.environ.get("AT_DATA_DIR", str(at.DATA_DIR))
-    at.ddp_worker(rank, world_size, dataclasses.asdict(settings), data_dir, None)
+    trainer.ddp_worker(rank, world_size, dataclasses.asdict(settings), data_dir, None)
 
 
 if __name__ == "__main__":

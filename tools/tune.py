@@ -4,11 +4,13 @@
     .venv/bin/python tools/tune.py --label paper-schedule schedule=inverse_sqrt
     .venv/bin/python tools/tune.py train_pairs=5000 clip_norm=none pre_norm=true
 
-Each run trains from scratch in data/tune/<label>/ (delete it to run again), prints a
-line per epoch, then appends one JSON line to build/tune.jsonl: the changed settings,
-greedy validation BLEU per epoch and of the averaged weights, beam validation BLEU of
-the final model, and the minutes spent. It never touches the test split: this is
-the tool for choosing settings.
+Each run trains with the notebook's functions (`trainer.Lesson.of` its `.py` twin) into
+its own folder, data/tune/checkpoints/tune-<label>-<fingerprint>/ (a run that finished
+there is loaded, not trained again: delete the folder to run again), prints a line per
+epoch, then appends one JSON line to build/tune.jsonl: the changed settings, greedy
+validation BLEU per epoch and of the averaged weights, beam validation BLEU of the final
+model, and the minutes spent. It never touches the test split: this is the tool for
+choosing settings.
 """
 
 import argparse
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -34,7 +37,8 @@ TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
 def parse_change(text: str) -> tuple[str, object]:
     """'lr_factor=0.35' -> ('lr_factor', 0.35), typed by the field's annotation.
 
-    `int | None` and `float | None` fields also take `none`; a bool takes true/false."""
+    `int | None` and `float | None` fields also take `none`; a bool takes true/false; a
+    field with a fixed set of values (a Literal, as `schedule`) takes one of them."""
     name, _, value = text.partition("=")
     types = typing.get_type_hints(at.Settings)
     types.pop("name")  # tune names its runs itself (--label)
@@ -43,6 +47,11 @@ def parse_change(text: str) -> tuple[str, object]:
             f"tune: {text!r} is not name=value for a Settings field; "
             f"the fields are {', '.join(types)}"
         )
+    if typing.get_origin(types[name]) is typing.Literal:
+        allowed = typing.get_args(types[name])
+        if value in allowed:
+            return name, value
+        raise SystemExit(f"tune: {text!r}: {name} takes one of {', '.join(allowed)}")
     members = typing.get_args(types[name])  # (int, NoneType) for `int | None`; () for `int`
     optional = type(None) in members
     kind = next(t for t in members if t is not type(None)) if members else types[name]
@@ -69,9 +78,13 @@ def main() -> None:
     settings = dataclasses.replace(at.get_settings("cpu"), name=f"tune-{label}", **changes)
     prepare_cpu_memory()  # as the notebook does before training (plumbing.py says why)
     data = at.prepare_data(settings, at.DATA_DIR)
+    lesson = trainer.Lesson.of(at)
     start = time.perf_counter()
-    model, history = at.train_model(settings, data, at.DATA_DIR / "tune")
+    trained = trainer.load_or_train(
+        lesson, settings, data, at.DATA_DIR / "tune", device=at.pick_device()
+    )
     minutes = (time.perf_counter() - start) / 60
+    model, history = trained.model, trained.history
     model.eval()
     beam = at.translate(
         model,
