@@ -161,3 +161,18 @@ def pytest_runtest_call(item):
 def pytest_collection_modifyitems(items):
     """The tests of the executed page run after the notebook's cells, to reuse their run."""
     items.sort(key=lambda item: "page" in getattr(item, "fixturenames", ()))
+
+
+def tiny_data():
+    """One test pair whose reference holds a word ("zebra") outside the vocabulary."""
+    import annotated_transformer as at  # here: conftest loads before the path is set
+
+    vocabs = {
+        "de": at.Vocab([*at.SPECIALS, "ein", "Zebra", "läuft", "."]),
+        "en": at.Vocab([*at.SPECIALS, "A", "runs", "."]),
+    }
+    de_ids = vocabs["de"].encode(["ein", "Zebra", "läuft", "."])
+    en_ids = vocabs["en"].encode(["A", "zebra", "runs", "."])
+    pair = ([0, *de_ids, 1], [0, *en_ids, 1])
+    text = [("Ein Zebra läuft.", "A zebra runs.")]
+    return at.Multi30k(vocabs, [pair], [pair], [pair], text, text, text)

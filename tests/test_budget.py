@@ -1,7 +1,6 @@
-"""A short run: the linear schedule, clipping, precision, averaging, and beam search."""
+"""A short run: the linear schedule, clipping, precision and averaging."""
 
 import dataclasses
-import itertools
 import math
 
 import pytest
@@ -191,107 +190,6 @@ def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
     model.load_state_dict(saved[1])
     assert history[-1]["val_loss"] == at.evaluate(val, model, criterion)
     assert history[-1]["val_loss"] != averaged["val_loss"]
-
-
-# --- beam search on a scripted model -----------------------------------------------------
-
-PAD, START, END, V = 0, 1, 2, 5  # words 3 and 4 are "a" and "b"
-IDS = at.SpecialIds(start=START, end=END, pad=PAD)
-
-
-class Scripted:
-    """A stand-in for the model: next-word log-probabilities fixed by the prefix."""
-
-    def __init__(self, table=None, seed: int = 0):
-        self.table, self.seed, self.calls = table or {}, seed, 0
-
-    def eval(self):
-        return self
-
-    def encode(self, src, src_mask):
-        return torch.zeros(src.size(0), src.size(1), 1)
-
-    def log_probs(self, prefix: tuple) -> torch.Tensor:
-        if prefix in self.table:
-            probs = torch.tensor(self.table[prefix], dtype=torch.float)
-        else:  # a fixed random distribution per prefix
-            generator = torch.Generator().manual_seed(hash((self.seed, prefix)) % 2**31)
-            probs = torch.rand(3, generator=generator) + 0.05
-        probs = torch.cat([torch.zeros(2), probs / probs.sum()])  # never <pad> or <s>
-        return probs.log()
-
-    def steps(self, model, memory, src_mask):
-        scripted = self
-
-        class Steps:
-            def __call__(self, ys):
-                scripted.calls += 1
-                return torch.stack([scripted.log_probs(tuple(row[1:])) for row in ys.tolist()])
-
-            def reorder(self, rows):
-                pass
-
-        return Steps()
-
-
-def search(model: Scripted, beam_size: int, alpha: float, max_len: int = 5, sentences: int = 1):
-    src = torch.ones(sentences, 3, dtype=torch.long)
-    mask = torch.ones(sentences, 1, 3, dtype=torch.bool)
-    out = at.beam_search(
-        model, src, mask, max_len, beam_size=beam_size, alpha=alpha, ids=IDS, scorer=model.steps
-    )
-    return [tuple(w for w in row[1:] if w != PAD) for row in out.tolist()]
-
-
-def best_by_brute_force(model: Scripted, alpha: float, max_len: int) -> tuple:
-    """Score every output that ends with </s> within the cap; return the best."""
-    best, best_score = None, -math.inf
-    for n in range(max_len - 1):  # n words before </s>
-        for words in itertools.product((3, 4), repeat=n):
-            output = (*words, END)
-            total = sum(model.log_probs(output[:i])[w].item() for i, w in enumerate(output))
-            score = total / ((5 + len(output)) / 6) ** alpha
-            if score > best_score:
-                best, best_score = output, score
-    return best
-
-
-@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
-@pytest.mark.parametrize("seed", range(8))
-def test_a_wide_beam_finds_the_best_penalised_translation(alpha, seed):
-    """With more beams than prefixes nothing is pruned, so beam search must return the
-    exact optimum; this checks the bookkeeping, the penalty and the stopping rule."""
-    model = Scripted(seed=seed)
-    assert search(model, beam_size=32, alpha=alpha) == [best_by_brute_force(model, alpha, 5)]
-
-
-def test_a_finished_translation_leaves_the_beam_and_the_penalty_decides():
-    # "</s>" at once has probability 0.5, "a </s>" 0.45 * 0.99: short wins without a
-    # penalty, but not with a strong one, and only if "a" kept exploring after "</s>"
-    table = {(): [0.5, 0.45, 0.05], (3,): [0.99, 0.005, 0.005], (4,): [0.4, 0.3, 0.3]}
-    assert search(Scripted(table), beam_size=2, alpha=0.0) == [(END,)]
-    assert search(Scripted(table), beam_size=2, alpha=3.0) == [(3, END)]
-
-
-def test_search_stops_once_no_live_beam_can_win():
-    # every step ends with </s> at 0.9: with alpha 0 the first finished one already beats
-    # any longer output, so the search must stop after the first step
-    model = Scripted({(): [0.9, 0.05, 0.05]})
-    assert search(model, beam_size=2, alpha=0.0, max_len=30) == [(END,)]
-    assert model.calls == 1
-
-
-def test_beam_of_one_is_greedy_on_a_scripted_model():
-    for seed in range(6):
-        model = Scripted(seed=seed)
-        greedy, prefix = [], ()
-        while len(prefix) < 9:
-            word = int(model.log_probs(prefix).argmax())
-            prefix = (*prefix, word)
-            if word == END:
-                break
-        greedy = [prefix]
-        assert search(model, beam_size=1, alpha=0.6, max_len=10) == greedy, seed
 
 
 def test_every_presets_warmup_ends_well_before_its_run(tmp_path, monkeypatch):

@@ -274,3 +274,39 @@ def test_unknown_preset_is_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match="^unknown preset 'laptop': set AT_PRESET to one of "):
         at.get_settings()
     assert at.get_settings("smoke").name == "smoke"
+
+
+def tokens_of(n, last_de="Hund", last_en="dog"):
+    de = [["ein", "Hund"] for _ in range(n)]
+    en = [["a", "dog"] for _ in range(n)]
+    de[-1], en[-1] = ["ein", last_de], ["a", last_en]
+    return {"de": de, "en": en}
+
+
+@pytest.mark.parametrize("changed", ["de", "en"])
+def test_vocabulary_cache_key_covers_every_sentence_of_both_languages(tmp_path, changed):
+    """A change at sentence 60 (past the old 50-sentence key), in either language, makes
+    a new vocabulary instead of reusing the cached one."""
+    first = at.vocabularies(tokens_of(60), min_freq=1, data_dir=tmp_path)
+    other = tokens_of(60, **({"last_de": "Katze"} if changed == "de" else {"last_en": "cat"}))
+    second = at.vocabularies(other, min_freq=1, data_dir=tmp_path)
+    word = "Katze" if changed == "de" else "cat"
+    assert word not in first[changed].stoi and word in second[changed].stoi
+    assert len(list(tmp_path.glob(f"vocab-{changed}-*.json"))) == 2
+
+
+def test_byte_order_mark_is_dropped(tmp_path):
+    path = tmp_path / "bom.de.gz"
+    path.write_bytes(gzip.compress("\ufeffEin Hund\nZwei Katzen\n".encode()))
+    assert plumbing.read_lines(path) == ["Ein Hund", "Zwei Katzen"]
+
+
+def test_a_file_in_the_way_of_the_data_folder_is_one_clear_line(tmp_path):
+    blocker = tmp_path / "data"
+    blocker.write_text("I am a file, not a folder")
+    with pytest.raises(at.DataError, match="is a file; move it away") as error:
+        at.write_atomically(blocker / "tokens" / "train.json.gz", b"{}")
+    assert "\n" not in str(error.value) and str(blocker) in str(error.value)
+    assert blocker.read_text() == "I am a file, not a folder"  # nothing lost
+    with pytest.raises(at.DataError, match="is a file"):  # the folder itself is the file
+        at.write_atomically(blocker / "vocab.json", b"[]")

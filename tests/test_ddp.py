@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import stopping_jobs
 import torch
-from conftest import MIRROR, ROOT
+from conftest import MIRROR, ROOT, tiny_data
 
 import annotated_transformer as at
 import trainer
-from plumbing import free_port
+from plumbing import CheckpointError, free_port
 
 TINY = at.Settings(
     name="ddp-test",
@@ -266,3 +266,25 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path):
     final = torch.load(trainer.run_dir(smoke, LESSON, tmp_path) / "final.pt", weights_only=True)
     assert len(final["history"]) == smoke.epochs
     assert time.perf_counter() - start < 300
+
+
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
+    """A last.pt holds one position and one set of random states per process: a run on
+    another number of processes would resume from the wrong ones, so it stops in one line."""
+    data, cpu = tiny_data(), torch.device("cpu")
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2)
+    lesson = trainer.Lesson.of(at)
+
+    def run_on(world_size: int) -> trainer.Run:
+        run = trainer.new_run(lesson, settings, data, tmp_path, cpu, world_size=world_size)
+        run.plan = {"epochs": settings.epochs, "steps": 10, "precision": "fp32"}
+        return run
+
+    run = run_on(1)
+    trainer.start_or_resume(run, None)
+    run.save(trainer.Position(epoch=1))
+    assert run.path("last").is_file()
+    with pytest.raises(CheckpointError, match=r"on 1 process\(es\), not 2: resume with as many"):
+        trainer.read_last(run_on(2))
+    checkpoint = trainer.read_last(run_on(1))  # the same count resumes
+    assert trainer.start_or_resume(run_on(1), checkpoint) == trainer.Position(epoch=1)
