@@ -50,6 +50,7 @@ run: setup
 	@echo "results:           $(CURDIR)/build/results.json"
 
 test: setup
+	rm -rf build/smoke/data/checkpoints  # every test run trains the code it tests
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke AT_DATA_DIR=build/smoke/data $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q
 

@@ -145,17 +145,24 @@ def one_thread():
 EXECUTED = {}  # the notebook as nbval ran it, outputs included, by path
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
+class KeepNotebookOutputs:
     """Keep what each nbval cell printed and drew, so that the page tests read nbval's run
-    instead of running the notebook a second time."""
-    try:
-        return (yield)
-    finally:
-        outputs = getattr(item, "test_outputs", None)
-        if outputs is not None and hasattr(item, "cell"):
-            item.cell.outputs = outputs
-            EXECUTED[Path(item.path)] = item.parent.nb
+    instead of running the notebook a second time. A plugin, not a hook of this file: a
+    conftest's test hooks reach only the items under its folder, and the notebook is not."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        try:
+            return (yield)
+        finally:
+            outputs = getattr(item, "test_outputs", None)
+            if outputs is not None and hasattr(item, "cell"):
+                item.cell.outputs = outputs
+                EXECUTED[Path(item.path).resolve()] = item.parent.nb
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(KeepNotebookOutputs(), "keep-notebook-outputs")
 
 
 def pytest_collection_modifyitems(items):

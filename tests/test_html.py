@@ -142,12 +142,14 @@ def test_the_notebook_folds_only_what_is_not_the_lesson():
         assert name not in code, f"{name} belongs in trainer.py"
 
 
-def executed_notebook(tmp_path_factory):
+def executed_notebook(tmp_path_factory, session):
     """The notebook as nbval ran it in this session, or, when this file runs alone, the
     notebook run here with the smoke preset, its files under a folder of its own."""
-    notebook = EXECUTED.get(ROOT / "annotated_transformer.ipynb")
+    notebook = EXECUTED.get((ROOT / "annotated_transformer.ipynb").resolve())
     if notebook is not None:
         return notebook
+    ran = [i for i in session.items if i.nodeid.startswith("annotated_transformer.ipynb::")]
+    assert not ran, "nbval ran the notebook in this session: its outputs should have been kept"
     notebook = nbformat.read(ROOT / "annotated_transformer.ipynb", as_version=4)
     build = tmp_path_factory.mktemp("smoke")
     run_smoke_notebook(notebook, build, coalesce_streams=True)
@@ -155,9 +157,9 @@ def executed_notebook(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def page(tmp_path_factory, request):
     """The executed smoke notebook and its exported page: (notebook, html path, charts)."""
-    notebook = executed_notebook(tmp_path_factory)
+    notebook = executed_notebook(tmp_path_factory, request.session)
     executed = tmp_path_factory.mktemp("page") / "executed.ipynb"
     nbformat.write(notebook, executed)
     html = BUILD / "annotated_transformer.html"

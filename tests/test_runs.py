@@ -3,8 +3,6 @@ run instead of training it again, and the record of a run."""
 
 import dataclasses
 import linecache
-import sys
-import types
 
 import pytest
 import torch
@@ -91,15 +89,6 @@ def test_a_changed_comment_keeps_the_run_a_changed_line_of_code_does_not(monkeyp
     assert trainer.Lesson.of(lesson_copy(monkeypatch, source=commented)).code == unedited
     scaled = SOURCE.replace(body, "    d_k = 2 * query.size(-1)\n")
     assert trainer.Lesson.of(lesson_copy(monkeypatch, source=scaled)).code != unedited
-
-
-def test_the_notebook_and_its_twin_train_into_the_same_folder(monkeypatch):
-    """The notebook's Part 4 cell reads the final.pt that DDP's workers, which import the
-    twin, wrote: both must name the same folder for the same code."""
-    notebook = types.ModuleType("__notebook__")  # a kernel's namespace is a module's
-    monkeypatch.setitem(sys.modules, notebook.__name__, notebook)
-    lesson_copy(monkeypatch, vars(notebook))
-    assert trainer.Lesson.of(notebook).code == LESSON.code
 
 
 def test_a_changed_setting_trains_a_new_model_beside_the_old_one(data, tmp_path, capsys):
