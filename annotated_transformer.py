@@ -104,9 +104,10 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 # 11. [What the paper did that we do not](#What-the-paper-did-that-we-do-not)
 # 12. [Part 4: training on several GPUs (and several machines)][part-4] (§5.2)
 #
-# **Exercises** end most parts: a starter with a gap (✎), a folded solution that fills it
-# for Run All, and a check; to test your answer, run your starter, then the check (not
-# the solution).
+# **Exercises** end most parts: a starter with a gap (✎) for your answer, our answer
+# (folded), and a check. Our answer stands in only while your gap is empty, so pressing
+# Shift-Enter down the page never replaces yours: the check tests your answer as soon as
+# you have written it.
 #
 # [part-3]: #Part-3:-a-real-task,-German-to-English-on-Multi30k
 # [part-4]: #Part-4:-training-on-several-GPUs-(and-several-machines)
@@ -134,9 +135,12 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 import contextlib
 import copy
 import dataclasses  # noqa: F401 (the example cells use it; the .py twin keeps them as comments)
+import functools
+import inspect  # noqa: F401 (the exercises use it; the .py twin keeps them as comments)
 import math
 import os
 import random
+import re
 import sys
 import typing
 from collections.abc import Sequence
@@ -612,7 +616,8 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 # applies $W^O$.
 #
 # > Off the paper's path: `use_sdpa` calls PyTorch's fused
-# > `scaled_dot_product_attention` (same formula; a test checks they agree), and
+# > `scaled_dot_product_attention` instead of our `attention` (same formula; a test checks
+# > they agree). Training leaves it off, so an edit to `attention` is what trains.
 # > `keep_weights`, off by default, keeps the weights for the heatmaps.
 
 
@@ -645,8 +650,7 @@ class MultiHeadAttention(nn.Module):
         B, _, T_q, _ = q.shape
         # (B, 1, T_q or 1, T_k): one mask for every head
         mask = None if mask is None else mask.unsqueeze(1)
-        # PyTorch's fused kernel backpropagates bf16 on a CPU about 7 times slower than
-        # float32 (torch 2.13, measured); our `attention` has no such problem there
+        # (the fused kernel's bf16 backward is slow on a CPU: there, ours runs)
         if self.use_sdpa and not (self.keep_weights or torch.is_autocast_enabled("cpu")):
             p = self.dropout.p if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -1073,14 +1077,24 @@ def count_parameters(model: nn.Module) -> int:
 # %% [markdown]
 # ### Exercises
 #
-# `filled` is the checks' first test: it stops with a clear message while a gap (✎) is
-# still empty.
+# Each exercise gives a starter with a gap (✎), then our answer, folded, then a check.
+# Our answer fills in only for a gap still empty (`gap_is_empty`), so Run All works and
+# your own answer is the one checked. `filled` is each check's first test: it stops with a
+# clear message if a gap is still empty.
 
 # %% active="ipynb"
 # def filled(answer):
 #     """An exercise's answer, after checking that its gap (✎) is no longer empty."""
 #     assert answer is not ..., "the gap (✎) is still empty: fill it in, run the starter again"
 #     return answer
+#
+#
+# def gap_is_empty(name: str) -> bool:
+#     """Whether your answer `name` still holds its gap: a `...` where the ✎ points."""
+#     answer = globals().get(name, ...)
+#     if callable(answer):
+#         return re.search(r"\.\.\.\s*# ✎", inspect.getsource(answer)) is not None
+#     return answer is ...
 
 # %% [markdown]
 # **1.1 A decoder layer's parameters.** The cell above counted an encoder layer's
@@ -1093,13 +1107,14 @@ def count_parameters(model: nn.Module) -> int:
 #     return ...  # ✎ your formula
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def decoder_layer_parameters(d_model: int, d_ff: int) -> int:
-#     """Weights and biases of one DecoderLayer, by formula."""
-#     attention = 4 * (d_model * d_model + d_model)  # W_Q, W_K, W_V, W_O and their biases
-#     feed_forward = (d_model * d_ff + d_ff) + (d_ff * d_model + d_model)
-#     norms = 3 * 2 * d_model  # three sub-layers, each with a LayerNorm's gain and bias
-#     return 2 * attention + feed_forward + norms  # self- and encoder-decoder attention
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("decoder_layer_parameters"):
+#     def decoder_layer_parameters(d_model: int, d_ff: int) -> int:
+#         """Weights and biases of one DecoderLayer, by formula."""
+#         attention = 4 * (d_model * d_model + d_model)  # W_Q, W_K, W_V, W_O and their biases
+#         feed_forward = (d_model * d_ff + d_ff) + (d_ff * d_model + d_model)
+#         norms = 3 * 2 * d_model  # three sub-layers, each with a LayerNorm's gain and bias
+#         return 2 * attention + feed_forward + norms  # self- and encoder-decoder attention
 
 # %% active="ipynb" tags=["check"]
 # for d_model, d_ff in [(512, 2048), (16, 40)]:
@@ -1120,12 +1135,13 @@ def count_parameters(model: nn.Module) -> int:
 #     return ...  # ✎ your measurement
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
-#     """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
-#     table = model.src_embed[0].embedding.weight  # (V, d_model)
-#     scale = math.sqrt(table.size(1)) if scaled else 1.0
-#     return (table * scale).pow(2).mean().sqrt().item()
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("embedding_rms"):
+#     def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
+#         """Root-mean-square of every word's source embedding, times sqrt(d_model) if scaled."""
+#         table = model.src_embed[0].embedding.weight  # (V, d_model)
+#         scale = math.sqrt(table.size(1)) if scaled else 1.0
+#         return (table * scale).pow(2).mean().sqrt().item()
 
 # %% active="ipynb" tags=["check"]
 # torch.manual_seed(0)
@@ -1420,8 +1436,8 @@ def linear_rate(step: int, *, d_model: int, warmup: int, total: int, factor: flo
 
 # %% [markdown]
 # `make_optimizer` builds Adam with the paper's settings and a base rate of 1.0, which
-# `LambdaLR` multiplies by the schedule. The linear schedule needs the run's length
-# (`total_steps`) and refuses one that ends within its warm-up.
+# `LambdaLR` multiplies by the schedule. The linear schedule needs to know where the run
+# ends (`total_steps`), and refuses an end within its warm-up.
 #
 # It returns the optimizer and the schedule.
 
@@ -1430,23 +1446,28 @@ def linear_rate(step: int, *, d_model: int, warmup: int, total: int, factor: flo
 def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
     """Adam with the paper's betas and eps, driven by `rate` (or `linear_rate`) via LambdaLR.
 
-    `total_steps` is where the linear schedule reaches zero; `fused` picks PyTorch's fused
-    Adam kernel (on CUDA), which takes the same steps faster.
+    `total_steps` is where the linear schedule reaches zero: a number, or a function that
+    returns it at every step (a run planned to the clock may move its end). `fused` picks
+    PyTorch's fused Adam kernel (on CUDA), which takes the same steps faster.
     """
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused or None
     )
     sizes = {"d_model": settings.d_model, "warmup": settings.warmup, "factor": settings.lr_factor}
-    if settings.schedule == "linear":
-        if total_steps is None or total_steps <= settings.warmup:
+
+    def rate_at(step: int) -> float:  # LambdaLR counts from 0, the formula from 1
+        if settings.schedule != "linear":
+            return rate(step + 1, **sizes)
+        total = total_steps() if callable(total_steps) else total_steps
+        needed = step + 1 > settings.warmup or not callable(total_steps)  # a number: now
+        if needed and (total is None or total <= settings.warmup):
             raise ValueError(
-                f"the linear schedule needs more planned steps ({total_steps}) than warm-up "
+                f"the linear schedule needs more planned steps ({total}) than warm-up "
                 f"steps ({settings.warmup}): lower warmup or raise epochs"
             )
-        sizes["total"] = total_steps
-    shape = linear_rate if settings.schedule == "linear" else rate
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: shape(step + 1, **sizes))
-    return optimizer, schedule
+        return linear_rate(step + 1, total=total, **sizes)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate_at)
 
 
 # %% [markdown]
@@ -1714,11 +1735,12 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 #     return ...  # ✎ your (step, rate)
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
-#     """(the step at which the paper's rate is highest, that rate), by formula."""
-#     # step ** -0.5 falls and step * warmup ** -1.5 rises; they meet at step = warmup
-#     return warmup, d_model**-0.5 * warmup**-0.5
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("peak_of_rate"):
+#     def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
+#         """(the step at which the paper's rate is highest, that rate), by formula."""
+#         # step ** -0.5 falls and step * warmup ** -1.5 rises; they meet at step = warmup
+#         return warmup, d_model**-0.5 * warmup**-0.5
 
 # %% active="ipynb" tags=["check"]
 # for d_model, warmup in [(512, 4000), (256, 400)]:
@@ -1738,10 +1760,11 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 #     return ...  # ✎ your mask
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
-#     """(B, S) token ids -> (B, 1, S): True where attention may read."""
-#     return (ids != pad_id).unsqueeze(-2)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("padding_mask"):
+#     def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
+#         """(B, S) token ids -> (B, 1, S): True where attention may read."""
+#         return (ids != pad_id).unsqueeze(-2)
 
 # %% active="ipynb" tags=["check"]
 # torch.manual_seed(0)
@@ -1910,8 +1933,9 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # prenorm_config = ...  # ✎ the copy model's ModelConfig, with pre-norm sub-layers
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# prenorm_config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0, pre_norm=True)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("prenorm_config"):
+#     prenorm_config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0, pre_norm=True)
 
 # %% active="ipynb" tags=["check"]
 # assert filled(prenorm_config).pre_norm, "ask ModelConfig for pre-norm sub-layers"
@@ -1942,10 +1966,11 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 #     return Batch(src=seq, tgt=filled(reversed_words(seq)), pad_id=COPY_PAD)
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def reversed_words(seq: Tensor) -> Tensor:
-#     """(B, L + 2) rows <s> w_1 ... w_L </s> -> <s> w_L ... w_1 </s>."""
-#     return torch.cat([seq[:, :1], seq[:, 1:-1].flip(1), seq[:, -1:]], dim=1)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("reversed_words"):
+#     def reversed_words(seq: Tensor) -> Tensor:
+#         """(B, L + 2) rows <s> w_1 ... w_L </s> -> <s> w_L ... w_1 </s>."""
+#         return torch.cat([seq[:, :1], seq[:, 1:-1].flip(1), seq[:, -1:]], dim=1)
 
 # %% active="ipynb" tags=["check"]
 # row = copy_batch(1, 4, torch.Generator().manual_seed(0)).src[0].tolist()
@@ -1989,7 +2014,6 @@ import importlib.metadata
 import importlib.util
 import io
 import json
-import re
 import time
 from collections import Counter
 from itertools import pairwise
@@ -2645,12 +2669,13 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 #     return ...  # ✎ your (size, share)
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def vocabulary_trade_off(min_freq: int) -> tuple[int, float]:
-#     """(English vocabulary size, share of English validation tokens it lacks)."""
-#     vocab = build_vocab(tokens["train"]["en"], min_freq)
-#     val = [token for sentence in tokens["val"]["en"] for token in sentence]
-#     return len(vocab), sum(token not in vocab.stoi for token in val) / len(val)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("vocabulary_trade_off"):
+#     def vocabulary_trade_off(min_freq: int) -> tuple[int, float]:
+#         """(English vocabulary size, share of English validation tokens it lacks)."""
+#         vocab = build_vocab(tokens["train"]["en"], min_freq)
+#         val = [token for sentence in tokens["val"]["en"] for token in sentence]
+#         return len(vocab), sum(token not in vocab.stoi for token in val) / len(val)
 
 # %% active="ipynb" tags=["check"]
 # trade = {m: filled(vocabulary_trade_off(m)) for m in (1, 2, 5)}
@@ -2684,20 +2709,21 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 #     return [*batches, current] if current else batches
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def random_batches(pairs: list[Pair], batch_tokens: int, seed: int) -> list[list[int]]:
-#     """Index lists in a random order, each within batch_tokens, padding included."""
-#     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
-#     batches, current, longest = [], [], 0
-#     for i in order:
-#         length = max(len(pairs[i][0]), len(pairs[i][1]))
-#         fits = not current or max(longest, length) * (len(current) + 1) <= batch_tokens
-#         if not fits:
-#             batches.append(current)
-#             current, longest = [], 0
-#         current.append(i)
-#         longest = max(longest, length)
-#     return [*batches, current] if current else batches
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("random_batches"):
+#     def random_batches(pairs: list[Pair], batch_tokens: int, seed: int) -> list[list[int]]:
+#         """Index lists in a random order, each within batch_tokens, padding included."""
+#         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+#         batches, current, longest = [], [], 0
+#         for i in order:
+#             length = max(len(pairs[i][0]), len(pairs[i][1]))
+#             fits = not current or max(longest, length) * (len(current) + 1) <= batch_tokens
+#             if not fits:
+#                 batches.append(current)
+#                 current, longest = [], 0
+#             current.append(i)
+#             longest = max(longest, length)
+#         return [*batches, current] if current else batches
 
 # %% active="ipynb" tags=["check"]
 # unsorted = filled(random_batches(full_train, settings.batch_tokens, seed=0))
@@ -3270,9 +3296,10 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # tie_alpha = ...  # ✎ your alpha, to three decimals or better
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# # -3 / ((5 + 5) / 6) ** a = -4 / ((5 + 9) / 6) ** a  <=>  (14 / 10) ** a = 4 / 3
-# tie_alpha = math.log(4 / 3) / math.log(14 / 10)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("tie_alpha"):
+#     # -3 / ((5 + 5) / 6) ** a = -4 / ((5 + 9) / 6) ** a  <=>  (14 / 10) ** a = 4 / 3
+#     tie_alpha = math.log(4 / 3) / math.log(14 / 10)
 
 # %% active="ipynb" tags=["check"]
 # def ranked_score(log_prob: float, length: int, alpha: float) -> float:
@@ -3298,12 +3325,13 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 #     return ...  # ✎ your penalty
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def brevity_penalty(hypothesis_length: int, reference_length: int) -> float:
-#     """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
-#     if hypothesis_length > reference_length:
-#         return 1.0
-#     return math.exp(1 - reference_length / hypothesis_length)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("brevity_penalty"):
+#     def brevity_penalty(hypothesis_length: int, reference_length: int) -> float:
+#         """BLEU's brevity penalty for corpus lengths c (hypotheses) and r (references)."""
+#         if hypothesis_length > reference_length:
+#             return 1.0
+#         return math.exp(1 - reference_length / hypothesis_length)
 
 # %% active="ipynb" tags=["check"]
 # references = [en for _, en in data.val_text]
@@ -3316,30 +3344,92 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # %% [markdown]
 # ## Training the translator
 #
-# Training for real, on a laptop that may be slow and may be stopped, is engineering that
-# teaches nothing about the Transformer, so it lives in [`trainer.py`](trainer.py), a
-# module to read top to bottom. It adds:
+# Every piece is built: the model, the label-smoothed loss, Adam with its schedule, an
+# epoch with gradient accumulation, and validation BLEU to tell us how it is going. Training
+# is a loop that puts them together, the same loop as the copy task's, on real data:
 #
-# * **a plan to the clock**: with `train_minutes` it fits whole epochs into the budget,
-#   aims the linear schedule's zero at the last step, and may re-plan after each epoch;
-# * **a precision**: bf16 on CUDA, and on a CPU only where one batch ran over 1.2 times
-#   faster than in float32; inside `torch.autocast` the weights, gradients and Adam's
-#   moments stay float32;
-# * **checkpoints** every `checkpoint_steps` steps and after each epoch: run an
-#   interrupted cell again and training goes on where it stopped (bit for bit on a CPU,
-#   but for re-plans, which follow the clock);
-# * **averaging** of the last `average_last` epochs (§6.1);
-# * **one folder per run**, named by a fingerprint of the settings and of the notebook
-#   code that training uses: an unchanged run loads in seconds, a changed setting or
-#   edited cell trains anew beside it.
+# 1. build the model, the loss, the optimizer and the schedule;
+# 2. each epoch, train on every batch once with `run_epoch`, then measure the validation
+#    loss and validation BLEU;
+# 3. at the end, where the preset asks for it, average the last epochs' weights, as the
+#    paper did (§6.1).
 #
-# The notebook's side:
+# A real run also needs bookkeeping that teaches nothing about the Transformer, so it lives
+# in [`trainer.py`](trainer.py), and the loop calls it through one object, `run`:
 #
-# * `trainer.Lesson.of(globals())` hands the module this notebook's own functions, so the
-#   code you ran is the code that trains;
-# * `pick_device` takes CUDA, else Apple's MPS, else the CPU;
-# * `model_for` builds a fresh model of the preset's size, with `MAX_POSITIONS`
-#   positions, enough for any Multi30k sentence plus 50.
+# * `run.epochs()` yields the epochs to train. The `cpu` preset trains for a fixed 16
+#   minutes, so the run times its first steps and plans as many epochs as fit, then
+#   corrects the plan after each epoch;
+# * `run.planned_steps` tells the linear schedule where to reach zero, even after a
+#   re-plan;
+# * `run.autocast` is float32, or bf16 where this machine runs bf16 faster;
+# * `run.step_done` saves a checkpoint every 200 optimizer steps, so a stopped run goes on
+#   from where it stopped; `run.end_epoch` saves one too, and prints a line per epoch.
+#
+# First, a helper that cuts one epoch of sentence pairs into padded batches.
+
+
+# %%
+def batches_for(pairs, pad_id, settings, device, *, epoch=0, rank=0, world_size=1) -> list:
+    """One epoch's batches of `pairs` on `device`; with several ranks, this rank's share."""
+    indices = bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=epoch)
+    if world_size > 1:  # Part 4: each process trains on its own share
+        indices = shard_batches(indices, rank, world_size)
+    return [collate(pairs, b, pad_id).to(device) for b in indices]
+
+
+# %% [markdown]
+# The loop. `model_for` builds a model of the preset's size; on a GPU you may pass
+# `fused_attention=True` there, and PyTorch's fused kernel then stands in for our
+# `attention`. The two lines under "Part 4" matter only when several processes train
+# together, at the end of the notebook.
+
+# %%
+import trainer
+
+
+def train(settings: Settings, data: Multi30k, folder: Path, *, device, rank=0, world_size=1):
+    """Train a translator on `data`; go on from the last checkpoint in `folder` if any."""
+    set_seed(settings.seed)  # the same first weights in every process
+    model = model_for(settings, data.vocabs).to(device)
+    en = data.vocabs["en"]
+    criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    val_batches = batches_for(data.val, en.pad_id, settings, device)
+    run = trainer.start(settings, folder, model, val_batches[0], rank=rank, world_size=world_size)
+    optimizer, schedule = make_optimizer(model, settings, total_steps=run.planned_steps)
+    state = run.resume(model, optimizer, schedule, TrainState())  # from a checkpoint, if any
+    learner, one_epoch = model, run_epoch
+    if world_size > 1:  # Part 4: DDP's wrapper around the model, and its epoch
+        learner = nn.parallel.DistributedDataParallel(model)
+        one_epoch = functools.partial(ddp_epoch, world_size=world_size)
+    for epoch in run.epochs():
+        batches = batches_for(data.train, en.pad_id, settings, device, epoch=epoch, rank=rank,
+                              world_size=world_size)  # fmt: skip
+        one_epoch(run.unfinished(batches), learner, criterion, optimizer, schedule,
+                  accum_iter=settings.accum_iter, state=state, clip_norm=settings.clip_norm,
+                  autocast=run.autocast, on_step=run.step_done)  # fmt: skip
+        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
+        bleu = validation_bleu(model, data) if rank == 0 else None  # one process translates
+        watched = watched_translations(model, data) if rank == 0 else None
+        run.end_epoch(val_loss=val_loss, val_bleu=bleu, watched=watched)
+    averaged = run.averaged_weights()  # §6.1; None where the preset averages nothing
+    if averaged is not None:
+        model.load_state_dict(averaged)
+        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
+        run.averaged_scores(val_loss=val_loss, val_bleu=validation_bleu(model, data))
+    return model, run.finish()  # the history of the run; final.pt in its folder
+
+
+# %% [markdown]
+# Where does a run live? In a folder under `data/checkpoints/`, named by everything that
+# shapes the trained model: the settings, the data, the code of every cell of the lesson,
+# and `trainer.py`. Its `manifest.json` lists them. So run the next cell a second time and
+# it loads the trained model in seconds; edit a cell such as `attention`, or a setting, and
+# it trains a new model beside the old one, and says what changed.
+#
+# `pick_device` takes CUDA, else Apple's MPS, else the CPU. With the `cpu` preset the cell
+# prints its plan, then a line per epoch. On two cores it trains for about 16 minutes:
+# read on meanwhile.
 
 
 # %%
@@ -3355,7 +3445,7 @@ def pick_device() -> torch.device:
 MAX_POSITIONS = 256  # rows of the positional tables: the longest input or output
 
 
-def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
+def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> EncoderDecoder:
     """A fresh model of the preset's size for these vocabularies."""
     config = ModelConfig(
         N=settings.N,
@@ -3364,26 +3454,19 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
         h=settings.h,
         dropout=settings.dropout,
         pre_norm=settings.pre_norm,
-        use_sdpa=True,  # PyTorch's fused attention kernel: the same maths, faster
+        use_sdpa=fused_attention,  # False: our own `attention` runs
         max_positions=MAX_POSITIONS,
         share_embeddings=vocabs["de"] is vocabs["en"],  # a joint sub-word vocabulary
     )
     return make_model(len(vocabs["de"]), len(vocabs["en"]), config)
 
 
-# %% [markdown]
-# With the `cpu` preset the next cell prints its plan, then a line per epoch (losses,
-# validation BLEU) and a `re-plan` line whenever the plan changes. On two cores it trains
-# for about 16 minutes: read on meanwhile.
-
 # %% active="ipynb"
-# import trainer
-#
 # device = pick_device()
-# lesson = trainer.Lesson.of(globals())  # this notebook's functions, as they are now
-# trained = trainer.load_or_train(lesson, settings, data, DATA_DIR, device=device)
-# model, history = trained.model, trained.history
-# print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {trained.folder}")
+# folder = trainer.run_folder(settings, data, globals(), DATA_DIR)  # named by what makes it
+# finished = trainer.load_final(folder, model_for(settings, data.vocabs).to(device))
+# model, history = finished or train(settings, data, folder, device=device)
+# print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
 # assert history[-1]["val_loss"] < history[0]["val_loss"] or len(history) == 1
 
 # %% [markdown]
@@ -3654,7 +3737,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # Python. The cell writes them to `build/results.json`.
 
 # %% active="ipynb"
-# record = trainer.run_record(lesson, trained, test_results, device)
+# record = trainer.run_record(model, history, settings, folder, test_results, device)
 # write_atomically(BUILD_DIR / "results.json", json.dumps(record, indent=2).encode())
 # shown = ("preset", "epochs", "train_seconds", "test2016_bleu_greedy", "test2016_bleu_beam")
 # print(json.dumps({k: record[k] for k in shown}, indent=2))
@@ -3873,11 +3956,12 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #     return ...  # ✎ your entropy
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def head_entropy(weights: Tensor) -> Tensor:
-#     """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
-#     terms = weights * torch.log2(weights)
-#     return -torch.where(weights > 0, terms, 0.0).sum(-1).mean(-1)  # 0 log 0 is 0
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("head_entropy"):
+#     def head_entropy(weights: Tensor) -> Tensor:
+#         """(h, T_q, T_k) attention weights -> (h,) mean entropy of a query's weights, in bits."""
+#         terms = weights * torch.log2(weights)
+#         return -torch.where(weights > 0, terms, 0.0).sum(-1).mean(-1)  # 0 log 0 is 0
 
 # %% active="ipynb" tags=["check"]
 # even, one_hot = torch.full((1, 3, 4), 0.25), torch.eye(4)[None, :3]
@@ -3904,12 +3988,13 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #     return ...  # ✎ your score
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input", "solution"]
-# # Solution: skip this cell to check your own answer.
-# def diagonal_score(weights: Tensor) -> Tensor:
-#     """(h, T_q, T_k) -> (h,): share of queries whose strongest key is within 1 of the diagonal."""
-#     _, T_q, T_k = weights.shape
-#     diagonal = torch.round(torch.arange(T_q) * (T_k - 1) / max(T_q - 1, 1))
-#     return ((weights.argmax(-1) - diagonal).abs() <= 1).float().mean(-1)
+# # Our answer, used only while your gap is still empty: yours is never replaced.
+# if gap_is_empty("diagonal_score"):
+#     def diagonal_score(weights: Tensor) -> Tensor:
+#         """(h, T_q, T_k) -> (h,): share of queries whose top key is within 1 of the diagonal."""
+#         _, T_q, T_k = weights.shape
+#         diagonal = torch.round(torch.arange(T_q) * (T_k - 1) / max(T_q - 1, 1))
+#         return ((weights.argmax(-1) - diagonal).abs() <= 1).float().mean(-1)
 
 # %% active="ipynb" tags=["check"]
 # square = torch.eye(6)
@@ -3954,7 +4039,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # (an *all-reduce*), so all apply the same update. Four things change:
 #
 # 1. the ranks build the model from one seed, re-seed apart (so their dropout differs),
-#    then wrap it in DDP;
+#    then wrap it in DDP (the two lines marked "Part 4" in `train`);
 # 2. each takes every `W`-th batch of the same list, whose length is made divisible by
 #    `W`;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
@@ -3989,7 +4074,7 @@ def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[
 
 # %% [markdown]
 # `ddp_epoch` is `run_epoch` for one rank, with changes 3 and 4 and the schedule's `W`
-# steps, numbered in comments; the trainer makes changes 1 and 2 before calling it.
+# steps, numbered in comments; `train` makes changes 1 and 2 before calling it.
 
 
 # %%
@@ -4028,8 +4113,9 @@ def ddp_epoch(
 
 # %% [markdown]
 # `trainer.train_distributed` starts one process per GPU, or two CPU processes talking
-# through `gloo` on a laptop. The workers import the `.py` twin, so your edits reach them
-# after `make sync`.
+# through `gloo` on a laptop, and each runs the notebook's `train` with its rank. A new
+# process cannot see this notebook, so the workers import its `.py` twin: an edit you
+# made here reaches them only after `make sync`, and the cell says so.
 
 # %% active="ipynb"
 # if importlib.util.find_spec("annotated_transformer") is None:  # the notebook opened alone
@@ -4037,12 +4123,14 @@ def ddp_epoch(
 # else:
 #     from plumbing import read_checkpoint
 #
+#     edited = trainer.not_in_twin(globals())
+#     if edited:
+#         print(f"the workers train the twin's code, without your edits to {', '.join(edited)}")
 #     ddp_settings = dataclasses.replace(get_settings("smoke"), name="smoke-ddp")
-#     ranks = trainer.train_distributed(ddp_settings, DATA_DIR)
-#     ddp_run = trainer.run_dir(ddp_settings, trainer.Lesson.of(globals()), DATA_DIR)
-#     ddp_history = read_checkpoint(ddp_run / "final.pt")["history"]
+#     ddp_folder = trainer.train_distributed(ddp_settings, DATA_DIR, world_size=2)
+#     ddp_history = read_checkpoint(ddp_folder / "final.pt")["history"]
 #     for h in ddp_history:
-#         print(f"{ranks} ranks, epoch {h['epoch']}: train loss {h['train_loss']:.3f}, ", end="")
+#         print(f"2 ranks, epoch {h['epoch']}: train loss {h['train_loss']:.3f}, ", end="")
 #         print(f"val loss {h['val_loss']:.3f}")
 #     assert len(ddp_history) == ddp_settings.epochs
 

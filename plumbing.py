@@ -25,13 +25,11 @@ import random
 import socket
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 
 class DataError(Exception):
@@ -208,6 +206,8 @@ def save_checkpoint(path: Path, **content) -> None:
 
 def read_checkpoint(path: Path) -> dict:
     """torch.load with weights_only=True (tensors and plain containers, never code)."""
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path} is missing: train the run first, or check the folder")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -337,22 +337,3 @@ def gpu_report() -> str:
         )
     pynvml.nvmlShutdown()
     return "\n".join(lines)
-
-
-def epoch_progress(total: int, epoch: int, schedule, show: bool = True):
-    """A tqdm bar and a callback that updates it with loss, tokens/s and the rate."""
-    bar = tqdm(total=total, desc=f"epoch {epoch}", disable=not show, mininterval=5)
-    start, seen = time.perf_counter(), [0]
-
-    def update(loss: float, ntokens: int) -> None:
-        seen[0] += ntokens
-        rate_now = seen[0] / max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix(
-            loss=f"{loss:.3f}",
-            tok_s=f"{rate_now:,.0f}",
-            lr=f"{schedule.get_last_lr()[0]:.2e}",
-            refresh=False,  # redraw at most every mininterval seconds, not every batch
-        )
-        bar.update(1)
-
-    return bar, update

@@ -1,27 +1,29 @@
-"""Training a translator for real: what the notebook's training cell calls.
+"""The helpers that the notebook's training loop calls: read it top to bottom.
 
-The lesson (`annotated_transformer.ipynb`) builds the Transformer, its loss, its
-learning-rate schedule, `run_epoch` with gradient accumulation, decoding and BLEU. This
-module turns them into a run that a student can start on a laptop and trust:
+The loop itself is the notebook's `train`: it builds the model, the loss, the optimizer
+and the schedule, then for each epoch calls the lesson's `run_epoch`, `evaluate` and
+`validation_bleu`. What a real run needs besides, and what teaches nothing about the
+Transformer, is here, in the order a run meets it:
 
-* **one folder per run**: `data/checkpoints/<preset>-<fingerprint>/`, where the
-  fingerprint covers every setting that shapes training and the code of the lesson that
-  trains, so a changed setting or an edited cell trains a new model beside the old one;
-* **planned to the clock**: with `train_minutes`, `plan_run` times this machine and fits
-  whole epochs into the budget, and `replan` corrects the plan after an epoch where the
-  epochs' real time calls for it;
-* **precision**: `choose_precision` measures bf16 against float32 on a CPU;
-* **checkpoints and exact resume**: `last.pt` every `checkpoint_steps` optimizer steps
-  and after every epoch, holding the plan too, so a killed run resumes exactly where it
-  stopped (bit for bit on a CPU, but for later re-plans, which follow the clock);
-* **averaging** the last epochs' weights (§6.1 of the paper);
-* **the record** of a run (`run_record`, build/results.json) and the DDP worker of
-  Part 4 (`ddp_worker`).
+1. **Its folder.** `run_folder` names it by everything that shapes the trained model:
+   the settings, the data, every definition of the lesson and this module's own code.
+   `manifest.json` in the folder says what made it, so an edited cell or a changed
+   setting trains anew beside the old model, and the message says what changed.
+2. **The precision.** `choose_precision` times bf16 against float32 on a CPU.
+3. **The plan.** A frozen `Plan` holds the epochs and the optimizer steps that the
+   linear schedule counts down to. With `train_minutes`, the run times its own first
+   steps, plans as many epochs as fit, and re-plans after each epoch with the epochs'
+   real time. A re-plan returns a new `Plan`; the schedule reads the plan's steps.
+4. **Checkpoints and exact resume.** `last.pt` is written every `checkpoint_steps`
+   optimizer steps and after every epoch. A run started again goes on from its last
+   checkpoint, bit for bit on a CPU but for later re-plans, which follow the clock. A
+   run stopped before its first checkpoint starts over, with a fresh plan.
+5. **Averaging** of the last epochs' weights (§6.1 of the paper), and `final.pt`.
+6. **The record** of a run (build/results.json), and the processes of Part 4.
 
-It never imports the notebook. Every function of the lesson that it calls comes in a
-`Lesson`, taken from the notebook's own namespace, so an edited cell is what trains.
-Only the processes that DDP starts import the notebook's `.py` twin, since they cannot
-see the notebook.
+Nothing here calls the notebook: the loop calls these helpers, so the code a student
+ran is the code that trains. Only DDP's new processes import the notebook's `.py` twin,
+since they cannot see the notebook.
 """
 
 from __future__ import annotations
@@ -29,20 +31,20 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import functools
 import inspect
 import json
 import math
 import os
 import platform
+import random
 import textwrap
 import time
 import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -64,146 +66,150 @@ from plumbing import (
 )
 
 # ---------------------------------------------------------------------------------------
-# The lesson's functions
+# 1. The run's folder: named by what made the model
 
 
-@dataclass(frozen=True)
-class Lesson:
-    """The notebook's functions and classes that training uses, taken from the notebook.
+def lesson_code(namespace: dict) -> dict[str, str]:
+    """A hash of every definition of the lesson, name by name.
 
-    `code` is a fingerprint of their code and of everything they call in the notebook, so
-    a run trained before a cell was edited is never mistaken for one trained after.
+    The lesson is what the notebook's `.py` twin defines at its top level (the exercises'
+    answers and the demonstrations are not), plus any function or class of `namespace`
+    that those use, taken from `namespace` as it is now: an edited cell counts. Syntax
+    trees, not text, so a changed comment keeps the hash.
     """
-
-    model_for: Callable  # a fresh model of the preset's size for the vocabularies
-    make_optimizer: Callable
-    run_epoch: Callable
-    evaluate: Callable
-    batch_loss: Callable
-    bucket_batches: Callable
-    collate: Callable
-    translate: Callable
-    validation_bleu: Callable
-    watched_translations: Callable
-    FastLabelSmoothing: type
-    TrainState: type
-    set_seed: Callable
-    count_parameters: Callable
-    # Part 4's, for several processes (which import the .py twin, where they are defined)
-    ddp_epoch: Callable | None = None
-    shard_batches: Callable | None = None
-    code: str = ""  # not a function: the fingerprint of those above, DDP's left out
-
-    @classmethod
-    def of(cls, namespace) -> Lesson:
-        """The lesson in `namespace`: the notebook's `globals()`, or the imported twin."""
-        names = vars(namespace) if isinstance(namespace, types.ModuleType) else namespace
-        optional = ("ddp_epoch", "shard_batches", "code")
-        wanted = [f.name for f in dataclasses.fields(cls) if f.name not in optional]
-        missing = [name for name in wanted if name not in names]
-        if missing:
-            raise NameError(
-                f"the notebook has no {', '.join(missing)}: run the cells above this one first"
-            )
-        picked = {name: names[name] for name in wanted}
-        code = code_fingerprint(list(picked.values()), names)
-        ddp = {name: names.get(name) for name in optional[:2]}
-        return cls(**picked, **ddp, code=code)
-
-
-def code_fingerprint(roots: list, names: dict) -> str:
-    """A hash of the code of `roots` and of every function or class of `names` they use.
-
-    Syntax trees, not text: a changed comment or layout keeps the fingerprint, a changed
-    line of code changes it, and the notebook and its `.py` twin agree when their code does.
-    """
-    seen, todo, parts = set(), list(roots), []
-    module = names.get("__name__")
+    module = namespace.get("__name__")
+    own = {
+        name: value
+        for name, value in namespace.items()
+        if getattr(value, "__module__", None) == module
+        and (inspect.isfunction(value) or isinstance(value, type))
+    }
+    todo = sorted(_twin_names() or own)
+    names: dict[str, str] = {}
     while todo:
-        obj = inspect.unwrap(todo.pop())
-        if id(obj) in seen or getattr(obj, "__module__", None) != module:
+        name = todo.pop()
+        if name in names or name not in namespace:
             continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            fields = dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ()
-            shape = (
-                [b.__qualname__ for b in obj.__bases__],
-                [(f.name, repr(f.default)) for f in fields],
-            )
-            parts.append(f"class {obj.__qualname__} {shape}")
-            methods = [getattr(v, "__func__", v) for v in vars(obj).values()]
-            todo += [m for m in methods if inspect.isfunction(m)] + list(obj.__bases__)
-        elif inspect.isfunction(obj):
-            parts.append(f"{obj.__qualname__} {_syntax_of(obj)}")
-            used = sorted(n for n in _names_used(obj.__code__) if n in names)
-            todo += [names[n] for n in used if callable(names[n])]
-            constants = int | float | str | bool | tuple  # MAX_POSITIONS and the like
-            parts += [
-                f"{n}={names[n]!r}" for n in used if n.isupper() and isinstance(names[n], constants)
-            ]
-    return fingerprint(sorted(parts))
+        value = namespace[name]
+        if name in own:
+            names[name] = fingerprint(_source_of(value))
+            todo += sorted(n for n in _names_used(value) if n in own)
+        elif name.isupper() and isinstance(value, int | float | str | bool | tuple):
+            names[name] = repr(value)  # MAX_POSITIONS and the like
+    return dict(sorted(names.items()))
 
 
-def _syntax_of(function) -> str:
-    """The function's syntax tree, or "" for one without source (a dataclass's __init__)."""
+def _twin_names() -> set[str]:
+    """The top-level names that annotated_transformer.py defines, or none without it."""
+    twin = Path(__file__).with_name("annotated_transformer.py")
+    if not twin.is_file():
+        return set()
+    names = set()
+    for node in ast.parse(twin.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _source_of(value) -> str:
+    """A function's syntax tree; a class's bases, fields and methods. Never a blank."""
+    if isinstance(value, type):
+        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
+        parts = [f"class {value.__qualname__}({[b.__qualname__ for b in value.__bases__]})"]
+        defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+        parts += [f"{f.name}: {f.type} = {defaults.get(f.name, '')!r}" for f in fields]
+        for name, member in sorted(vars(value).items()):
+            function = getattr(member, "__func__", member)  # a staticmethod's or classmethod's
+            made = {"<string>", dataclasses.__file__}  # where @dataclass makes its methods
+            if inspect.isfunction(function) and function.__code__.co_filename in made:
+                parts.append(name)  # made from the fields above
+            elif inspect.isfunction(function):
+                parts.append(_source_of(function))
+            elif isinstance(member, int | float | str | bool | tuple) and name[:2] != "__":
+                parts.append(f"{name} = {member!r}")
+        return "\n".join(parts)
     try:
-        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(function))))
-    except (OSError, TypeError, SyntaxError):
-        return ""
+        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(value))))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise CheckpointError(
+            f"cannot read the code of {value.__qualname__} ({error}): define it in a cell "
+            "or a file, so that the run's folder can be named by it"
+        ) from error
 
 
-def _names_used(code: types.CodeType) -> set[str]:
-    inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return set(code.co_names).union(*(_names_used(c) for c in inner))
+def _names_used(value) -> set[str]:
+    """The global names that a function, or a class's methods, refer to."""
+    if isinstance(value, type):
+        members = [getattr(m, "__func__", m) for m in vars(value).values()]
+        used = {b.__name__ for b in value.__bases__}
+        return used.union(*(_names_used(m) for m in members if inspect.isfunction(m)))
+
+    def names_in(code: types.CodeType) -> set[str]:
+        inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        return set(code.co_names).union(*(names_in(c) for c in inner))
+
+    return names_in(value.__code__)
 
 
-# ---------------------------------------------------------------------------------------
-# Where a run lives
-
-# The settings that do not change what training computes: the decoding of the final
-# model and how often a checkpoint is written.
+# The settings that do not change what training computes.
 NOT_TRAINING = ("name", "beam_size", "length_penalty", "checkpoint_steps")
 
 
-def training_settings(settings) -> dict:
-    """The settings that shape training, as a plain dict (what checkpoints store)."""
-    fields = dataclasses.asdict(settings)
-    return {k: v for k, v in fields.items() if k not in NOT_TRAINING}
+def manifest(settings, data, namespace: dict) -> dict:
+    """What a run is made of: settings, data, the lesson's code and this module's code."""
+    vocabs = data.vocabs
+    return {
+        "preset": settings.name,
+        "settings": {
+            k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_TRAINING
+        },
+        "data": {
+            "vocabularies": fingerprint([vocabs["de"].itos, vocabs["en"].itos]),
+            "training pairs": fingerprint(data.train),
+        },
+        "code": lesson_code(namespace),
+        "trainer": fingerprint(ast.dump(ast.parse(Path(__file__).read_text(encoding="utf-8")))),
+    }
 
 
-def run_dir(settings, lesson: Lesson, data_dir: Path) -> Path:
-    """The folder of one run: data/checkpoints/<preset>-<8 hex digits>.
-
-    The digits are a fingerprint of the settings that shape training and of the lesson's
-    code: change either and the run trains anew into a folder of its own.
-    """
-    key = fingerprint([training_settings(settings), lesson.code])[:8]
-    return Path(data_dir) / "checkpoints" / f"{settings.name}-{key}"
-
-
-def vocab_fingerprint(vocabs: dict) -> str:
-    return vocabs["de"].fingerprint() + vocabs["en"].fingerprint()
+def run_folder(settings, data, namespace: dict, data_dir: Path) -> Path:
+    """data/checkpoints/<preset>-<8 hex digits of the manifest>, with its manifest.json."""
+    made_of = manifest(settings, data, namespace)
+    folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{fingerprint(made_of)[:8]}"
+    if not (folder / "manifest.json").is_file():
+        write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
+    return folder
 
 
-def load_checkpoint(path: Path, settings, vocabs: dict) -> dict:
-    """Read a checkpoint safely and check that it was trained with these settings."""
-    checkpoint = read_checkpoint(path)  # weights_only=True: tensors and containers only
-    if checkpoint.get("vocab_fingerprint") != vocab_fingerprint(vocabs):
-        raise CheckpointError(
-            f"{path} was made with other vocabularies: delete its folder to train again"
+def what_changed(folder: Path) -> str:
+    """How this run differs from the newest other run of its preset, in a few words."""
+    mine = json.loads((folder / "manifest.json").read_text())
+    others = [
+        m for m in folder.parent.glob(f"{mine['preset']}-*/manifest.json") if m.parent != folder
+    ]
+    if not others:
+        return ""
+    theirs = json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text())
+    changes = []
+    for part, label in (("settings", "other settings"), ("code", "other code")):
+        names = sorted(
+            k
+            for k in mine[part].keys() | theirs[part].keys()
+            if mine[part].get(k) != theirs[part].get(k)
         )
-    stored, wanted = checkpoint.get("settings"), training_settings(settings)
-    if stored != wanted:
-        changed = sorted(k for k in wanted if (stored or {}).get(k) != wanted[k])
-        raise CheckpointError(
-            f"{path} was trained with other settings ({', '.join(changed) or 'unknown'}): "
-            "load it with the settings it was trained with, or delete its folder"
-        )
-    return checkpoint
+        if names:
+            changes.append(f"{label} for: {', '.join(names)}")
+    if mine["data"] != theirs["data"]:
+        changes.append("other data")
+    if mine["trainer"] != theirs["trainer"]:
+        changes.append("another trainer.py")
+    return "; ".join(changes)
 
 
 # ---------------------------------------------------------------------------------------
-# Precision
+# 2. Precision
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -213,32 +219,32 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext
 
 
-def bf16_pays_off(lesson, model, batch, criterion, repeats: int = 3, margin: float = 1.2):
-    """Time forward and backward of one batch on the CPU in float32 and in bf16, alternately.
+def bf16_pays_off(model: nn.Module, batch, repeats: int = 3, margin: float = 1.2):
+    """Time forward and backward of one batch in float32 and in bf16, alternately.
 
     Returns (pays, fp32 seconds, bf16 seconds): pays when bf16's best time beats float32's
-    by `margin`. Stops early where bf16 is clearly slower (4 times in the warm-up round,
-    twice in a later one), as on CPUs without bf16 hardware. Runs in eval mode, so
-    dropout draws no random numbers; clears the gradients.
+    by `margin`. Stops early where bf16 is far slower (no bf16 hardware). Runs in eval
+    mode, so dropout draws no random numbers, and clears the gradients it made.
     """
     model.eval()
-    times = {"fp32": [], "bf16": []}
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
     for i in range(repeats + 1):  # the first round only warms up
         for precision, spent in times.items():
             start = time.perf_counter()
             with autocast_for(torch.device("cpu"), precision)():
-                loss = lesson.batch_loss(model, criterion, batch)
-            loss.backward()
+                out = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+                log_probs = model.generator(out)
+            log_probs.float().sum().backward()
             spent.append(time.perf_counter() - start)
         timed = {name: spent[1:] or spent for name, spent in times.items()}
         if min(timed["bf16"]) > (4 if i == 0 else 2) * min(timed["fp32"]):
-            break  # bf16 is far slower (no bf16 hardware): timing it again wastes time
+            break
     model.zero_grad(set_to_none=True)
     fp32, bf16 = min(timed["fp32"]), min(timed["bf16"])
     return fp32 > margin * bf16, fp32, bf16
 
 
-def choose_precision(settings, device, lesson, model, batch, criterion, world_size=1) -> str:
+def choose_precision(settings, device, model: nn.Module, batch, world_size: int = 1) -> str:
     """ "bf16" or "fp32" for a new run: measured on a CPU, bf16 on CUDA."""
     if settings.precision == "fp32" or device.type == "mps":
         return "fp32"
@@ -246,7 +252,7 @@ def choose_precision(settings, device, lesson, model, batch, criterion, world_si
         return "bf16"
     if world_size > 1:  # the ranks would have to agree; CPU processes stay in float32
         return "fp32"
-    pays, fp32, bf16 = bf16_pays_off(lesson, model, batch, criterion)
+    pays, fp32, bf16 = bf16_pays_off(model, batch)
     choice = "bf16" if pays else "float32"
     print(f"one validation batch, forward and backward: {fp32:.2f} s in float32, ", end="")
     print(f"{bf16:.2f} s in bf16 -> training in {choice}")
@@ -254,213 +260,53 @@ def choose_precision(settings, device, lesson, model, batch, criterion, world_si
 
 
 # ---------------------------------------------------------------------------------------
-# Planning to the clock
+# 3. The plan
 
+TIMED_STEPS = (3, 23)  # a planned run times optimizer steps 3 to 23 (the first two warm up)
 MIN_USEFUL_EPOCHS = 3  # a planned run of fewer epochs gets a warning
-WARMUP_SHARE = 0.7  # a planned run warms up for at most this share of its steps
 
 
-def planned_steps(lesson: Lesson, settings, pairs: list, world_size: int = 1) -> int:
-    """The run's optimizer steps, counted as one process counts them (for the schedule)."""
-    steps = 0
-    for epoch in range(settings.epochs):
-        batches = lesson.bucket_batches(
-            pairs, settings.batch_tokens, seed=settings.seed, epoch=epoch
-        )
-        if world_size > 1:
-            batches = lesson.shard_batches(batches, 0, world_size)
-        steps += math.ceil(len(batches) / settings.accum_iter)
-    return steps * world_size
+@dataclass(frozen=True)
+class Plan:
+    """How long a run trains. A re-plan makes a new one."""
+
+    epochs: int
+    precision: str  # "fp32" or "bf16", chosen once
+    epoch_steps: int = 0  # optimizer steps of one epoch, counted as one process counts them
+    train_minutes: float | None = None  # the budget of a run planned to the clock
+    tokens_per_second: float | None = None  # training speed over the first timed steps
+    epoch_seconds: float | None = None  # an epoch's time: first estimated, then measured
+    made: str = ""  # when the plan was made, for a person reading the record
+    replans: tuple = ()  # one dict per re-plan: after which epoch, epochs before and after
+
+    @property
+    def steps(self) -> int:
+        """The optimizer steps of the whole run: where the linear schedule reaches zero."""
+        return self.epochs * self.epoch_steps
 
 
-def fit_warmup(settings, steps: int):
-    """The settings of a planned run of `steps`: warm-up cut to WARMUP_SHARE, same peak."""
-    warmup = min(settings.warmup, max(1, int(WARMUP_SHARE * steps)))
-    factor = settings.lr_factor * math.sqrt(warmup / settings.warmup)  # peak: factor/√warmup
-    return dataclasses.replace(settings, warmup=warmup, lr_factor=factor)
+def epochs_that_fit(plan: Plan, epoch_seconds: float, done: int, spent: float) -> Plan:
+    """The plan with as many epochs as fit the minutes left, at least one more than `done`."""
+    left = 60 * plan.train_minutes - spent
+    epochs = done + max(1, int(left // epoch_seconds))
+    return dataclasses.replace(plan, epochs=epochs, epoch_seconds=epoch_seconds)
 
 
-def measure_speed(run: Run, probe: nn.Module, steps: int = 12) -> dict:
-    """Time `probe`, a throwaway model of the preset's size, on real batches: training
-    target tokens per second, and the seconds that one epoch's validation takes."""
-    lesson, settings, data = run.lesson, run.settings, run.data
-    fixed = dataclasses.replace(settings, schedule="inverse_sqrt")  # no end to plan for
-    optimizer, schedule = lesson.make_optimizer(probe, fixed)
-    k, pad_id = settings.accum_iter, data.vocabs["en"].pad_id
-    indices = lesson.bucket_batches(data.train, settings.batch_tokens, seed=settings.seed, epoch=0)
-    batches = [
-        lesson.collate(data.train, b, pad_id).to(run.device) for b in indices[: (steps + 2) * k]
-    ]
-    loop = {"accum_iter": k, "clip_norm": settings.clip_norm, "autocast": run.autocast}
-    lesson.run_epoch(batches[: 2 * k], probe, run.criterion, optimizer, schedule, **loop)
-    timed = batches[2 * k :] or batches  # the first two steps only warmed up
-    start = time.perf_counter()
-    lesson.run_epoch(timed, probe, run.criterion, optimizer, schedule, **loop)
-    tokens_per_second = sum(b.ntokens for b in timed) / (time.perf_counter() - start)
-    start = time.perf_counter()
-    lesson.evaluate(run.val_batches, probe, run.criterion, autocast=run.autocast)
-    # an untrained model never stops, so it writes as many tokens as its source has,
-    # about what a trained one writes: the cost of validation_bleu
-    lesson.translate(probe, [src for src, _ in data.val], data.vocabs, longer_by=0)
-    return {
-        "tokens_per_second": tokens_per_second,
-        "validation_seconds": time.perf_counter() - start,
-    }
-
-
-def plan_run(run: Run, probe: nn.Module) -> dict:
-    """Epochs and optimizer steps of a new run: the preset's, or as many as fit train_minutes."""
-    settings, lesson = run.settings, run.lesson
-    if settings.train_minutes is None:
-        steps = planned_steps(lesson, settings, run.data.train, run.world_size)
-        return {"epochs": settings.epochs, "steps": steps, "precision": run.precision}
-    if run.world_size > 1:
-        raise ValueError("train_minutes plans one process's run: set epochs to train on several")
-    speed = measure_speed(run, probe)
-    epoch_tokens = sum(len(tgt) - 1 for _, tgt in run.data.train)  # targets after <s>
-    epoch_seconds = epoch_tokens / speed["tokens_per_second"] + speed["validation_seconds"]
-    averaging = speed["validation_seconds"] if settings.average_last > 1 else 0.0
-    epochs = max(1, int((60 * settings.train_minutes - averaging) // epoch_seconds))
-    seconds = epochs * epoch_seconds + averaging
-    steps = planned_steps(lesson, dataclasses.replace(settings, epochs=epochs), run.data.train)
-    fitted = fit_warmup(settings, steps)
-    plan = {
-        "train_minutes": settings.train_minutes,
-        **speed,
-        "precision": run.precision,
-        "epoch_seconds": epoch_seconds,
-        "epochs": epochs,
-        "steps": steps,
-        "warmup": fitted.warmup,
-        "lr_factor": fitted.lr_factor,
-        "planned_seconds": seconds,
-        "made": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    ends = time.strftime("%H:%M", time.localtime(time.time() + seconds))
-    print(f"plan: {speed['tokens_per_second']:,.0f} target tokens/s, so {epochs} epochs ", end="")
-    print(f"of {epoch_seconds:.0f} s with validation: {steps:,} steps, ", end="")
-    print(f"ending about {ends} ({seconds / 60:.1f} of {settings.train_minutes:g} min)")
-    if epochs < MIN_USEFUL_EPOCHS:
+def say_plan(plan: Plan, done: int, label: str) -> None:
+    """One line: the epochs planned, their steps and when training should end."""
+    ends = time.time() + (plan.epochs - done) * plan.epoch_seconds
+    ends_at = time.strftime("%H:%M", time.localtime(ends))
+    print(f"{label}: epochs take {plan.epoch_seconds:.0f} s here, so {plan.epochs} ", end="")
+    print(f"epochs in all, {plan.steps:,} steps, ending about {ends_at}")
+    if plan.epochs < MIN_USEFUL_EPOCHS:
         print(
-            f"warning: only {epochs} epoch(s) fit in {settings.train_minutes:g} minutes here; "
+            f"warning: only {plan.epochs} epoch(s) fit in {plan.train_minutes:g} minutes here; "
             "raise train_minutes, or expect a weak translator"
         )
-    return plan
-
-
-def aim_decay(schedule, *, from_step: int, from_rate: float, to_step: int) -> None:
-    """From LambdaLR's step `from_step` on, fall in a straight line from `from_rate`
-    to zero at `to_step` (LambdaLR never asks again for an earlier step)."""
-    span = to_step - from_step
-    schedule.lr_lambdas[0] = lambda step: from_rate * (max(to_step - step, 0) / span)
-
-
-def replan(plan: dict, settings, history: list, schedule, lesson: Lesson, pairs: list) -> dict:
-    """After an epoch of a planned run: fit the epochs left to the minutes left.
-
-    The epochs trained so far (with their validation) replace the probe's estimate of
-    an epoch's time. At least one epoch is left, so the rate still reaches zero; a run
-    still warming up, or in its last planned epoch, keeps its plan.
-    """
-    done, step = len(history), schedule.last_epoch  # epochs and optimizer steps so far
-    if done >= plan["epochs"] or step <= plan["warmup"]:
-        return plan
-    spent = sum(h["seconds"] + h.get("validation_seconds", 0.0) for h in history)
-    epoch_seconds = spent / done
-    averaging = plan["validation_seconds"] if settings.average_last > 1 else 0.0
-    left = 60 * settings.train_minutes - averaging - spent
-    epochs = done + max(1, int(left // epoch_seconds))
-    if epochs == plan["epochs"]:
-        return plan
-    steps = planned_steps(lesson, dataclasses.replace(settings, epochs=epochs), pairs)
-    decay = {"from_step": step, "from_rate": schedule.lr_lambdas[0](step), "to_step": steps}
-    aim_decay(schedule, **decay)
-    change = {"after_epoch": done - 1, "epoch_seconds": epoch_seconds, "was": plan["epochs"]}
-    replans = [*plan.get("replans", []), change | {"epochs": epochs, "steps": steps}]
-    return plan | {"epochs": epochs, "steps": steps, "decay": decay, "replans": replans}
 
 
 # ---------------------------------------------------------------------------------------
-# One run's state
-
-
-@dataclass
-class Position:
-    """Where a run stands in an epoch, with the loss and token totals of its done batches."""
-
-    epoch: int
-    batches: int = 0  # batches of this epoch already trained on
-    loss: float = 0.0  # their summed loss
-    tokens: int = 0  # their real target tokens
-    seconds: float = 0.0  # training time spent on them
-
-
-@dataclass(kw_only=True)
-class Run:
-    """Everything one training run carries from epoch to epoch."""
-
-    lesson: Lesson
-    preset: Any  # the settings as given: they name the folder and go into every checkpoint
-    settings: Any  # the same, with the epochs and the warm-up of the plan
-    data: Any  # the notebook's Multi30k
-    folder: Path  # run_dir: its checkpoints and plan.json
-    device: torch.device
-    criterion: nn.Module  # the label-smoothed loss of training and validation
-    val_batches: list
-    precision: str = "fp32"  # "fp32" or "bf16", chosen once per run
-    rank: int = 0
-    world_size: int = 1
-    show: bool = True  # progress bars and one line per epoch (rank 0 only)
-    plan: dict = field(default_factory=dict)
-    history: list = field(default_factory=list)  # one record per finished epoch
-    # built by start_or_resume:
-    model: nn.Module | None = None
-    ddp_model: nn.Module | None = None  # the model wrapped by DistributedDataParallel
-    optimizer: torch.optim.Optimizer | None = None
-    schedule: Any = None
-    state: Any = None  # the lesson's TrainState
-
-    def autocast(self):
-        """The mixed-precision context of this run's training and validation."""
-        return autocast_for(self.device, self.precision)()
-
-    def optimizer_rate(self) -> str:
-        """The learning rate of the next step, as the progress bar shows it."""
-        return f"{self.schedule.get_last_lr()[0]:.2e}"
-
-    def path(self, name: str) -> Path:
-        """A file of this run: "last" (to resume), "final" or "epoch-<n>" (to average)."""
-        return self.folder / f"{name}.pt"
-
-    def checkpoint(self, **more) -> dict:
-        """What every checkpoint of this run holds, besides `more`."""
-        return {
-            "model": self.model.state_dict(),
-            "history": self.history,
-            "settings": training_settings(self.preset),
-            "vocab_fingerprint": vocab_fingerprint(self.data.vocabs),
-            **more,
-        }
-
-    def save(self, position: Position) -> None:
-        """Write `last.pt`: the weights, the plan and everything else resuming needs.
-
-        Every rank must call it: each hands over its own position and random states, and
-        rank 0 writes the one file, so the plan and the position can never disagree.
-        """
-        own = {"position": dataclasses.asdict(position), "random": random_states()}
-        ranks = gather_from_ranks(own)
-        if self.rank == 0:
-            save_checkpoint(
-                self.path("last"),
-                **self.checkpoint(
-                    optimizer=self.optimizer.state_dict(),
-                    schedule=self.schedule.state_dict(),
-                    state=dataclasses.asdict(self.state),
-                    ranks=ranks,
-                    plan=self.plan,
-                ),
-            )
+# 4. The run: checkpoints and exact resume
 
 
 def seed_of_rank(seed: int, rank: int) -> int:
@@ -468,306 +314,268 @@ def seed_of_rank(seed: int, rank: int) -> int:
     return seed + 7919 * (rank + 1)
 
 
-def read_last(run: Run) -> dict | None:
+def read_last(folder: Path, world_size: int) -> dict | None:
     """The run's `last.pt`, or None. Every rank must see the same one, or none: a rank on
     another machine without a shared filesystem would start afresh and hang the job."""
-    last = run.path("last")
-    checkpoint = load_checkpoint(last, run.preset, run.data.vocabs) if last.is_file() else None
+    last = folder / "last.pt"
+    checkpoint = read_checkpoint(last) if last.is_file() else None
     steps = gather_from_ranks(checkpoint["state"]["step"] if checkpoint else None)
     if len(set(steps)) > 1:
         raise CheckpointError(
-            f"the ranks see different checkpoints in {run.folder} (optimizer steps by rank, "
+            f"the ranks see different checkpoints in {folder} (optimizer steps by rank, "
             f"None for none: {steps}): put data/ on a filesystem that every machine shares"
         )
-    if checkpoint is not None and len(checkpoint["ranks"]) != run.world_size:
+    if checkpoint is not None and len(checkpoint["ranks"]) != world_size:
         raise CheckpointError(
             f"{last} was written by a run on {len(checkpoint['ranks'])} "
-            f"process(es), not {run.world_size}: resume with as many, or delete its folder"
+            f"process(es), not {world_size}: resume with as many, or delete its folder"
         )
     return checkpoint
 
 
-def start_or_resume(run: Run, checkpoint: dict | None) -> Position:
-    """Build the model, optimizer, schedule and state: fresh, or from `checkpoint`."""
-    lesson, settings, plan = run.lesson, run.settings, run.plan
-    lesson.set_seed(settings.seed)
-    run.model = lesson.model_for(settings, run.data.vocabs).to(run.device)  # same on every rank
-    lesson.set_seed(seed_of_rank(settings.seed, run.rank))  # but dropout differs per rank
-    run.optimizer, run.schedule = lesson.make_optimizer(
-        run.model, settings, fused=run.device.type == "cuda", total_steps=plan["steps"]
-    )
-    if "decay" in plan:  # where a re-planned run re-aimed its decay
-        aim_decay(run.schedule, **plan["decay"])
-    run.state, position = lesson.TrainState(), Position(epoch=0)
+def start(settings, folder: Path, model: nn.Module, batch, *, rank=0, world_size=1) -> Run:
+    """A run of `settings` in `folder`: resumed from its last.pt, or new with a plan."""
+    checkpoint = read_last(folder, world_size)
     if checkpoint is not None:
-        run.model.load_state_dict(checkpoint["model"])
-        run.optimizer.load_state_dict(checkpoint["optimizer"])
-        run.schedule.load_state_dict(checkpoint["schedule"])
-        run.state, run.history = lesson.TrainState(**checkpoint["state"]), checkpoint["history"]
-        own = checkpoint["ranks"][run.rank]  # this rank's position, totals and random states
-        position = Position(**own["position"])
-        restore_random_states(own["random"])
-        print(f"resuming from {run.path('last')}: epoch {position.epoch}, batch {position.batches}")
-    run.ddp_model = run.model
-    if run.world_size > 1:
-        ids = [run.device.index] if run.device.type == "cuda" else None
-        run.ddp_model = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
-    return position
+        print(f"resuming from {folder / 'last.pt'}")
+        return Run(settings, folder, Plan(**checkpoint["plan"]), rank, world_size, checkpoint)
+    if settings.train_minutes is not None and world_size > 1:
+        raise ValueError("train_minutes plans one process's run: set epochs to train on several")
+    device = next(model.parameters()).device
+    precision = choose_precision(settings, device, model, batch, world_size)
+    plan = Plan(settings.epochs, precision, train_minutes=settings.train_minutes)
+    if plan.train_minutes is not None:
+        print(f"planning {plan.train_minutes:g} minutes: the first steps are timed, then the epochs")
+    return Run(settings, folder, plan, rank, world_size)
 
 
-# ---------------------------------------------------------------------------------------
-# Training
+class Run:
+    """One training run, as the loop sees it: its plan, its history, where it stands.
 
+    Its methods are called in the loop's order: `resume` once, then for each epoch
+    `unfinished`, `step_done` after each optimizer step, and `end_epoch`; `finish` last.
+    """
 
-def progress_bar(run: Run, batches: int, epoch: int):
-    """A bar for one epoch that clears itself at the end (the epoch line stays)."""
-    show = run.show and run.rank == 0
-    return tqdm(total=batches, desc=f"epoch {epoch}", disable=not show, mininterval=5, leave=False)
+    def __init__(self, settings, folder, plan, rank=0, world_size=1, checkpoint=None):
+        self.settings, self.folder, self.plan = settings, Path(folder), plan
+        self.rank, self.world_size, self.checkpoint = rank, world_size, checkpoint
+        self.history: list[dict] = checkpoint["history"] if checkpoint else []
+        self.epoch = len(self.history)
+        # the epoch in progress: batches done, their summed loss, tokens and seconds
+        own = checkpoint["ranks"][rank]["position"] if checkpoint else {}
+        self.done, self.loss = own.get("done", 0), own.get("loss", 0.0)
+        self.tokens, self.seconds = own.get("tokens", 0), own.get("seconds", 0.0)
+        self.objects: tuple = ()  # the loop's model, optimizer, schedule and TrainState
+        self.bar, self.timer = None, None
 
+    def autocast(self):
+        """The mixed-precision context of this run's training and validation."""
+        device = next(self.objects[0].parameters()).device
+        return autocast_for(device, self.plan.precision)()
 
-def train_epoch(run: Run, position: Position) -> dict:
-    """Train one epoch from `position` (its start, or mid-way when resuming); validate."""
-    lesson, settings, epoch, skip = run.lesson, run.settings, position.epoch, position.batches
-    pad_id = run.data.vocabs["en"].pad_id
-    indices = lesson.bucket_batches(
-        run.data.train, settings.batch_tokens, seed=settings.seed, epoch=epoch
-    )
-    if run.world_size > 1:
-        indices = lesson.shard_batches(indices, run.rank, run.world_size)
-    batches = [lesson.collate(run.data.train, b, pad_id).to(run.device) for b in indices[skip:]]
-    bar, done_before = progress_bar(run, len(indices), epoch), [skip]
-    bar.update(skip)
-    resumed = time.perf_counter()
-    start = resumed - position.seconds
+    def planned_steps(self) -> int:
+        """Where the linear schedule reaches zero: read at every step, so a re-plan moves it."""
+        return self.plan.steps
 
-    def on_step(done: int, loss: float, tokens: int) -> None:
-        """After each optimizer step: the bar, and a checkpoint every checkpoint_steps."""
-        done += skip
-        bar.update(done - done_before[0])
-        done_before[0] = done
-        speed, rate = tokens / max(time.perf_counter() - resumed, 1e-9), run.optimizer_rate()
-        shown = {"loss": f"{loss / max(tokens, 1):.3f}", "tok_s": f"{speed:,.0f}", "lr": rate}
-        bar.set_postfix(shown, refresh=False)  # drawn at most every mininterval seconds
-        every = settings.checkpoint_steps
-        if every and run.state.step % every == 0 and done < len(indices):  # not at the end
-            seconds = time.perf_counter() - start
-            totals = {"loss": position.loss + loss, "tokens": position.tokens + tokens}
-            run.save(Position(epoch, batches=done, seconds=seconds, **totals))
+    def resume(self, model, optimizer, schedule, state):
+        """Load the last checkpoint into the loop's objects, or seed a fresh run's dropout."""
+        self.objects = (model, optimizer, schedule, state)
+        if self.checkpoint is None:
+            seed = seed_of_rank(self.settings.seed, self.rank)  # the ranks' dropout differs
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
+            return state
+        model.load_state_dict(self.checkpoint["model"])
+        optimizer.load_state_dict(self.checkpoint["optimizer"])
+        schedule.load_state_dict(self.checkpoint["schedule"])
+        for name, value in self.checkpoint["state"].items():
+            setattr(state, name, value)
+        restore_random_states(self.checkpoint["ranks"][self.rank]["random"])
+        print(f"resumed at epoch {self.epoch}, batch {self.done}, step {state.step}")
+        self.checkpoint = None  # read once
+        return state
 
-    epoch_fn = lesson.run_epoch
-    if run.world_size > 1:  # Part 4's ddp_epoch, from the .py twin
-        epoch_fn = functools.partial(lesson.ddp_epoch, world_size=run.world_size)
-    loss = epoch_fn(
-        batches,
-        run.ddp_model,
-        run.criterion,
-        run.optimizer,
-        run.schedule,
-        accum_iter=settings.accum_iter,
-        state=run.state,
-        clip_norm=settings.clip_norm,
-        autocast=run.autocast,
-        on_step=on_step,
-    )
-    end = time.perf_counter()
-    bar.close()
-    val_loss = lesson.evaluate(run.val_batches, run.model, run.criterion, autocast=run.autocast)
-    local_tokens = sum(b.ntokens for b in batches)
-    local = [position.loss + loss * local_tokens, position.tokens + local_tokens]
-    loss_sum, tokens = sum_over_ranks(local, run.device)
-    first = run.rank == 0
-    record = {
-        "epoch": epoch,
-        "train_loss": loss_sum / tokens,
-        "val_loss": val_loss,
-        "val_bleu": lesson.validation_bleu(run.model, run.data) if first else None,
-        "watched": lesson.watched_translations(run.model, run.data) if first else None,
-        "seconds": end - start,
-        "tokens": int(tokens),
-        "precision": run.precision,
-    }
-    return record | {"validation_seconds": time.perf_counter() - end}
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to train; a re-plan after one may change how many."""
+        while self.epoch < self.plan.epochs:
+            yield self.epoch
 
+    def unfinished(self, batches: list) -> list:
+        """The epoch's batches not yet trained on (all of them, unless resuming mid-epoch)."""
+        if not self.plan.epoch_steps:  # the first epoch: now the run's steps are known
+            steps = math.ceil(len(batches) / self.settings.accum_iter) * self.world_size
+            self.plan = dataclasses.replace(self.plan, epoch_steps=steps)
+        self.epoch_batches, self.epoch_tokens = len(batches), sum(b.ntokens for b in batches)
+        self.bar = tqdm(
+            total=len(batches), desc=f"epoch {self.epoch}", mininterval=5, leave=False,
+            disable=self.rank != 0, initial=self.done,
+        )  # fmt: skip
+        self.clock = time.perf_counter() - self.seconds  # as if the epoch never stopped
+        self.before = (self.done, self.loss, self.tokens)  # what run_epoch will not see
+        return batches[self.done :]
 
-def report_epoch(run: Run, record: dict) -> None:
-    """One line per epoch (and the GPUs' load and memory on CUDA)."""
-    if run.rank != 0 or not run.show:
-        return
-    print(f"epoch {record['epoch']}: train loss {record['train_loss']:.3f}, ", end="")
-    print(f"val loss {record['val_loss']:.3f}, val BLEU {record['val_bleu']:.1f}, ", end="")
-    print(f"{record['tokens'] / record['seconds']:,.0f} target tokens/s")
-    if run.device.type == "cuda":
-        print(gpu_report())
-
-
-def save_plan(run: Run) -> None:
-    """plan.json beside the checkpoints: the plan, for a person to read (last.pt has it too)."""
-    if run.rank == 0:
-        write_atomically(run.folder / "plan.json", json.dumps(run.plan, indent=2).encode())
-
-
-def replan_run(run: Run) -> None:
-    """After an epoch of a planned run: re-plan, and say so in one line if it changed."""
-    new = replan(run.plan, run.settings, run.history, run.schedule, run.lesson, run.data.train)
-    if new is run.plan:
-        return
-    old, run.plan = run.plan, new
-    run.settings = dataclasses.replace(run.settings, epochs=new["epochs"])
-    seconds = new["replans"][-1]["epoch_seconds"]
-    ends = time.strftime(
-        "%H:%M", time.localtime(time.time() + (new["epochs"] - len(run.history)) * seconds)
-    )
-    print(f"re-plan: epochs take {seconds:.0f} s here, so {new['epochs']} epochs in all ", end="")
-    print(f"(was {old['epochs']}), {new['steps']:,} steps, ending about {ends}")
-
-
-def keep_epoch_weights(run: Run, epoch: int) -> None:
-    """Keep the last `average_last` epochs' weights (a rolling set of files)."""
-    if run.rank != 0 or run.settings.average_last < 2:
-        return
-    save_checkpoint(run.path(f"epoch-{epoch}"), **run.checkpoint())
-    run.path(f"epoch-{epoch - run.settings.average_last}").unlink(missing_ok=True)
-
-
-def average_weights(state_dicts: list[dict]) -> dict:
-    """The element-wise mean of several state dicts of the same model."""
-    return {name: sum(sd[name] for sd in state_dicts) / len(state_dicts) for name in state_dicts[0]}
-
-
-def average_last_epochs(run: Run) -> None:
-    """Load the average of the last epochs' weights into the model; score it on validation."""
-    settings, lesson = run.settings, run.lesson
-    epochs = list(range(max(settings.epochs - settings.average_last, 0), settings.epochs))
-    paths = [run.path(f"epoch-{e}") for e in epochs]
-    weights = [load_checkpoint(p, run.preset, run.data.vocabs)["model"] for p in paths]
-    run.model.load_state_dict(average_weights(weights))
-    run.history[-1]["averaged"] = {
-        "epochs": epochs,
-        "val_loss": lesson.evaluate(
-            run.val_batches, run.model, run.criterion, autocast=run.autocast
-        ),
-        "val_bleu": lesson.validation_bleu(run.model, run.data),
-    }
-    if run.show:
-        average = run.history[-1]["averaged"]
-        print(f"average of epochs {epochs[0]}-{epochs[-1]}: ", end="")
-        print(f"val loss {average['val_loss']:.3f}, val BLEU {average['val_bleu']:.1f}")
-
-
-def validation_batches(lesson: Lesson, data, settings, device) -> list:
-    """The validation split in length-bucketed batches, in one fixed order."""
-    pad_id = data.vocabs["en"].pad_id
-    indices = lesson.bucket_batches(data.val, settings.batch_tokens, seed=0, epoch=0)
-    return [lesson.collate(data.val, b, pad_id).to(device) for b in indices]
-
-
-def new_run(lesson: Lesson, settings, data, data_dir: Path, device, **more) -> Run:
-    """A Run of `settings` before any training: its folder, loss and validation batches."""
-    en = data.vocabs["en"]
-    return Run(
-        lesson=lesson,
-        preset=settings,
-        settings=settings,
-        data=data,
-        folder=run_dir(settings, lesson, data_dir),
-        device=device,
-        criterion=lesson.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing),
-        val_batches=validation_batches(lesson, data, settings, device),
-        **more,
-    )
-
-
-def train_model(run: Run) -> Run:
-    """Train `run` to its end, resuming from its `last.pt` if it has one; return it."""
-    checkpoint = read_last(run)
-    if checkpoint is not None:
-        run.plan, run.precision = checkpoint["plan"], checkpoint["plan"]["precision"]
-        print(f"resuming with the plan made at {run.plan.get('made', 'the start')}")
-    else:
-        run.lesson.set_seed(run.settings.seed)
-        probe = run.lesson.model_for(run.settings, run.data.vocabs).to(run.device)
-        run.precision = choose_precision(
-            run.settings,
-            run.device,
-            run.lesson,
-            probe,
-            run.val_batches[0],
-            run.criterion,
-            run.world_size,
+    def step_done(self, micro_batches: int, loss: float, tokens: int) -> None:
+        """After each optimizer step (run_epoch's `on_step`): the bar, the plan, a checkpoint."""
+        done, loss_before, tokens_before = self.before
+        self.done, self.loss, self.tokens = (
+            done + micro_batches,
+            loss_before + loss,
+            tokens_before + tokens,
         )
-        run.plan = plan_run(run, probe)
-    run.settings = dataclasses.replace(run.settings, epochs=run.plan["epochs"])
-    if "warmup" in run.plan:  # a planned run: the warm-up fitted to its steps
-        warmup = {k: run.plan[k] for k in ("warmup", "lr_factor")}
-        run.settings = dataclasses.replace(run.settings, **warmup)
-    save_plan(run)
-    position = start_or_resume(run, checkpoint)
-    while position.epoch < run.settings.epochs:  # a planned run may change its epochs
-        record = train_epoch(run, position)
-        run.history.append(record)
-        report_epoch(run, record)
-        if run.settings.train_minutes is not None:  # one process: plan_run refuses more
-            replan_run(run)
-            save_plan(run)
-        keep_epoch_weights(run, position.epoch)
-        position = Position(epoch=position.epoch + 1)
-        run.save(position)  # last.pt: the weights, the plan and where to go on
-    if run.settings.average_last > 1 and run.rank == 0:
-        average_last_epochs(run)
-    run.history[-1]["plan"] = run.plan
-    return run
+        self.seconds = time.perf_counter() - self.clock
+        self.bar.update(self.done - self.bar.n)
+        self.bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", refresh=False)
+        step = self.objects[3].step
+        if self.plan.train_minutes is not None and not self.plan.made:
+            self.plan_from_first_steps(step)
+        every = self.settings.checkpoint_steps
+        if every and step % every == 0 and self.done < self.epoch_batches:  # not at the end
+            self.save()
+
+    def plan_from_first_steps(self, step: int) -> None:
+        """In a planned run's first epoch: time steps TIMED_STEPS, then plan the epochs."""
+        first, last = TIMED_STEPS
+        if step == first or self.timer is None:
+            self.timer = (step, time.perf_counter(), self.tokens)
+        timed_from, since, tokens_before = self.timer
+        ends = self.done == self.epoch_batches  # a short epoch: plan from what was timed
+        if step > timed_from and (step >= last or (ends and step > first)):
+            seconds, tokens = time.perf_counter() - since, self.tokens - tokens_before
+            per_epoch = self.epoch_tokens * seconds / max(tokens, 1)  # training only, as yet
+            plan = epochs_that_fit(self.plan, per_epoch, done=0, spent=0.0)
+            made = time.strftime("%Y-%m-%d %H:%M")
+            self.plan = dataclasses.replace(plan, tokens_per_second=tokens / seconds, made=made)
+            print(f"steps {timed_from} to {step}: {tokens / seconds:,.0f} target tokens/s")
+            say_plan(self.plan, 0, "plan")
+
+    def end_epoch(self, *, val_loss: float, val_bleu=None, watched=None) -> None:
+        """Record the epoch, re-plan a planned run, keep weights to average, save last.pt."""
+        self.bar.close()
+        device = next(self.objects[0].parameters()).device
+        loss, tokens = sum_over_ranks([self.loss, self.tokens], device)
+        record = {
+            "epoch": self.epoch,
+            "train_loss": loss / max(tokens, 1),
+            "val_loss": val_loss,
+            "val_bleu": val_bleu,
+            "watched": watched,
+            "seconds": self.seconds,
+            "validation_seconds": time.perf_counter() - self.clock - self.seconds,
+            "tokens": int(tokens),
+            "precision": self.plan.precision,
+        }
+        self.history.append(record)
+        if self.rank == 0:
+            print(f"epoch {self.epoch}: train loss {record['train_loss']:.3f}, ", end="")
+            print(f"val loss {val_loss:.3f}, val BLEU {val_bleu:.1f}, ", end="")
+            print(f"{tokens / self.seconds:,.0f} target tokens/s")
+            if torch.cuda.is_available():
+                print(gpu_report())
+        self.replan()
+        self.keep_for_average()
+        self.epoch, self.done, self.loss, self.tokens, self.seconds = self.epoch + 1, 0, 0.0, 0, 0.0
+        self.save()
+
+    def replan(self) -> None:
+        """After an epoch of a planned run: fit the epochs left to the minutes left."""
+        done = len(self.history)
+        if self.plan.train_minutes is None or done >= self.plan.epochs:
+            return
+        spent = sum(h["seconds"] + h["validation_seconds"] for h in self.history)
+        averaging = self.history[-1]["validation_seconds"] if self.settings.average_last > 1 else 0
+        new = epochs_that_fit(self.plan, spent / done, done, spent + averaging)
+        if new.epochs != self.plan.epochs:
+            change = {"after_epoch": done - 1, "epoch_seconds": spent / done}
+            change |= {"was": self.plan.epochs, "epochs": new.epochs, "steps": new.steps}
+            new = dataclasses.replace(new, replans=(*new.replans, change))
+            say_plan(new, done, f"re-plan (was {self.plan.epochs} epochs)")
+        self.plan = new
+
+    def save(self) -> None:
+        """Write last.pt: everything resuming needs. Every rank calls it; rank 0 writes."""
+        model, optimizer, schedule, state = self.objects
+        position = {"done": self.done, "loss": self.loss, "tokens": self.tokens}
+        own = {"position": position | {"seconds": self.seconds}, "random": random_states()}
+        ranks = gather_from_ranks(own)
+        if self.rank == 0:
+            save_checkpoint(
+                self.folder / "last.pt",
+                model=model.state_dict(),
+                optimizer=optimizer.state_dict(),
+                schedule=schedule.state_dict(),
+                state=dataclasses.asdict(state),
+                history=self.history,
+                plan=dataclasses.asdict(self.plan),
+                ranks=ranks,
+            )
+
+    # -----------------------------------------------------------------------------------
+    # 5. Averaging and the final model
+
+    def keep_for_average(self) -> None:
+        """Keep the last `average_last` epochs' weights (a rolling set of files)."""
+        if self.rank != 0 or self.settings.average_last < 2:
+            return
+        save_checkpoint(self.folder / f"epoch-{self.epoch}.pt", model=self.objects[0].state_dict())
+        (self.folder / f"epoch-{self.epoch - self.settings.average_last}.pt").unlink(
+            missing_ok=True
+        )
+
+    def averaged_weights(self) -> dict | None:
+        """The mean of the last epochs' weights, or None where the settings average nothing."""
+        if self.rank != 0 or self.settings.average_last < 2:
+            return None
+        last = range(max(self.epoch - self.settings.average_last, 0), self.epoch)
+        weights = [read_checkpoint(self.folder / f"epoch-{e}.pt")["model"] for e in last]
+        self.history[-1]["averaged"] = {"epochs": list(last)}
+        return {name: sum(w[name] for w in weights) / len(weights) for name in weights[0]}
+
+    def averaged_scores(self, *, val_loss: float, val_bleu: float) -> None:
+        """The averaged model's validation scores, beside the last epoch's."""
+        self.history[-1]["averaged"] |= {"val_loss": val_loss, "val_bleu": val_bleu}
+        print(f"average of the last epochs: val loss {val_loss:.3f}, val BLEU {val_bleu:.1f}")
+
+    def finish(self) -> list[dict]:
+        """Write final.pt (the model as it is now, and the history); return the history."""
+        plan = dataclasses.asdict(self.plan) | {"steps": self.plan.steps}
+        self.history[-1]["plan"] = plan | {"warmup": self.settings.warmup}
+        if self.rank == 0:
+            model = self.objects[0]
+            save_checkpoint(
+                self.folder / "final.pt", model=model.state_dict(), history=self.history
+            )
+        return self.history
 
 
-# ---------------------------------------------------------------------------------------
-# What the notebook calls
-
-
-@dataclass(frozen=True)
-class Trained:
-    """A finished run: the model, its history, and the settings it was trained with."""
-
-    model: nn.Module
-    history: list  # one record per epoch; the last holds the plan
-    settings: Any  # as given (the plan's epochs are in the history)
-    folder: Path
-
-
-def load_final(run: Run) -> Trained | None:
-    """The finished model of `run` from its final.pt, or None if it has none."""
-    final = run.path("final")
+def load_final(folder: Path, model: nn.Module) -> tuple[nn.Module, list] | None:
+    """The finished model of the run in `folder`, loaded into `model`, or None."""
+    final = Path(folder) / "final.pt"
     if not final.is_file():
+        if not (Path(folder) / "last.pt").is_file():  # else `start` says it resumes
+            changed = what_changed(folder)
+            print(
+                f"trained before with {changed}; training anew" if changed else "training", end=""
+            )
+            print(f" into {folder}")
         return None
-    checkpoint = load_checkpoint(final, run.preset, run.data.vocabs)
-    model = run.lesson.model_for(run.preset, run.data.vocabs)
+    checkpoint = read_checkpoint(final)
     model.load_state_dict(checkpoint["model"])
     print(f"loaded {final}")
-    return Trained(model.to(run.device), checkpoint["history"], run.preset, run.folder)
+    return model, checkpoint["history"]
 
 
-def load_or_train(lesson: Lesson, settings, data, data_dir: Path, *, device, show=True) -> Trained:
-    """The trained model of `settings` and this lesson: from its final.pt, else trained now.
-
-    A run is found by its folder (`run_dir`), so a changed setting or an edited lesson
-    cell trains a new model into a folder of its own and leaves the old one on disk.
-    """
-    run = new_run(lesson, settings, data, data_dir, device, show=show)
-    loaded = load_final(run)
-    if loaded is not None:
-        return loaded
-    print(f"training into {run.folder}")
-    run = train_model(run)
-    save_checkpoint(run.path("final"), **run.checkpoint())
-    return Trained(run.model, run.history, run.preset, run.folder)
+# ---------------------------------------------------------------------------------------
+# 6. The record of a run, and several processes (Part 4)
 
 
-def run_record(lesson: Lesson, trained: Trained, test_results: dict, device) -> dict:
+def run_record(model, history, settings, folder, test_results: dict, device) -> dict:
     """The fields of build/results.json: the run's own settings beside its own history."""
-    history = trained.history
     train_seconds = sum(h["seconds"] for h in history)
     return {
-        "preset": trained.settings.name,
+        "preset": settings.name,
         "device": str(device),
-        "parameters": lesson.count_parameters(trained.model),
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "epochs": len(history),
         "train_seconds": train_seconds,
         "train_tokens_per_second": sum(h["tokens"] for h in history) / max(train_seconds, 1e-9),
@@ -779,20 +587,19 @@ def run_record(lesson: Lesson, trained: Trained, test_results: dict, device) -> 
         "averaged": history[-1].get("averaged"),  # the model scored, if it averaged
         **test_results,
         "history": history,
-        "settings": dataclasses.asdict(trained.settings),
-        "run_folder": str(trained.folder),
+        "settings": dataclasses.asdict(settings),
+        "run_folder": str(folder),
         "peak_memory_gb": peak_memory_gb(),  # of this process (the kernel), so far
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
 
 
-# ---------------------------------------------------------------------------------------
-# Several processes (Part 4)
-
-
 def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
-    """One rank of a DDP job: join the group, train, leave. port None reads torchrun's env."""
+    """One rank of a DDP job: join the group, train with the twin's loop, leave.
+
+    `port` None reads torchrun's environment.
+    """
     import torch.distributed as dist
 
     import annotated_transformer as twin  # a new process cannot see the notebook
@@ -811,35 +618,35 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
         "nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world_size
     )
     try:
-        if os.environ.get("AT_FAIL_RANK") == str(rank):  # fault injection, for the tests
-            raise RuntimeError(f"rank {rank} failed on purpose (AT_FAIL_RANK)")
         if rank == 0:
             data = twin.prepare_data(settings, Path(data_dir))  # rank 0 builds the caches
         dist.barrier()
         if rank != 0:
             data = twin.prepare_data(settings, Path(data_dir))  # the others read them
-        lesson = Lesson.of(twin)
-        run = new_run(
-            lesson,
-            settings,
-            data,
-            Path(data_dir),
-            device,
-            rank=rank,
-            world_size=world_size,
-            show=rank == 0,
-        )
-        run = train_model(run)
+        folder = run_folder(settings, data, vars(twin), Path(data_dir))
+        twin.train(settings, data, folder, device=device, rank=rank, world_size=world_size)
         dist.barrier()
-        if rank == 0:
-            save_checkpoint(run.path("final"), **run.checkpoint())
     finally:
         dist.destroy_process_group()
 
 
-def train_distributed(settings, data_dir: Path, world_size: int | None = None) -> int:
-    """Train with DDP: one process per GPU, or `world_size` (default 2) CPU processes."""
+def train_distributed(settings, data_dir: Path, world_size: int | None = None) -> Path:
+    """Train with DDP: one process per GPU, or `world_size` (default 2) CPU processes.
+
+    Returns the run's folder, named by the twin's code, which is what the workers train.
+    """
+    import annotated_transformer as twin
+
     world_size = world_size or torch.cuda.device_count() or 2
     args = (world_size, dataclasses.asdict(settings), str(data_dir), free_port())
     torch.multiprocessing.spawn(ddp_worker, args=args, nprocs=world_size, join=True)
-    return world_size
+    data = twin.prepare_data(settings, Path(data_dir))
+    return run_folder(settings, data, vars(twin), Path(data_dir))
+
+
+def not_in_twin(namespace: dict) -> list[str]:
+    """The lesson's definitions whose code in `namespace` differs from the `.py` twin's."""
+    import annotated_transformer as twin
+
+    ours, theirs = lesson_code(namespace), lesson_code(vars(twin))
+    return sorted(name for name in ours if ours[name] != theirs.get(name))

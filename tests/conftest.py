@@ -183,3 +183,39 @@ def tiny_data():
     pair = ([0, *de_ids, 1], [0, *en_ids, 1])
     text = [("Ein Zebra läuft.", "A zebra runs.")]
     return at.Multi30k(vocabs, [pair], [pair], [pair], text, text, text)
+
+
+# --- what many test files share: a quick preset, its data, and training it ----------------
+
+CPU = torch.device("cpu")
+
+
+def quick_settings():
+    """The smoke preset cut to one quick epoch on 200 pairs (about a second of training)."""
+    import dataclasses
+
+    import annotated_transformer as at
+
+    return dataclasses.replace(
+        at.SMOKE, train_pairs=200, eval_pairs=20, batch_tokens=400, epochs=1, warmup=2,
+        average_last=1,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def quick_data(tmp_path, monkeypatch):
+    """The data of quick_settings(), prepared under tmp_path from the mirror."""
+    return prepared_data(quick_settings(), tmp_path, monkeypatch)
+
+
+def train_as_the_notebook(settings, data, data_dir, namespace=None, *, device=CPU):
+    """What the notebook's training cell does, with the functions of `namespace` (the
+    imported twin by default): (model, history, folder), loaded if it finished before."""
+    import annotated_transformer
+    import trainer
+
+    names = vars(annotated_transformer) if namespace is None else namespace
+    folder = trainer.run_folder(settings, data, names, data_dir)
+    finished = trainer.load_final(folder, names["model_for"](settings, data.vocabs).to(device))
+    model, history = finished or names["train"](settings, data, folder, device=device)
+    return model, history, folder

@@ -1,5 +1,5 @@
-"""Training jobs for the tests that stop themselves: after a given optimizer step, or at
-the start, on ranks that do not share a filesystem.
+"""Training jobs for the tests that stop themselves: after a given optimizer step (on every
+rank, or on one), or at the start, on ranks that do not share a filesystem.
 
 `torch.multiprocessing.spawn` starts fresh interpreters that import the function to run
 by name, so these live in a module of their own rather than in a test file."""
@@ -18,9 +18,9 @@ from plumbing import free_port
 def stop_after_step(step: int, stop) -> None:
     """Make at.make_optimizer's optimizers call `stop()` right after optimizer step `step`.
 
-    A `trainer.Lesson` taken from the twin afterwards trains with it. functools.wraps
-    marks it as the twin's own function, instrumented, so the run's folder (which the
-    lesson's code names) stays the one an uninterrupted run trains into."""
+    The twin's `train` then trains with it. functools.wraps gives it the twin's source, so
+    the run's folder (which the lesson's code names) stays the one an uninterrupted run
+    trains into."""
     make_optimizer = at.make_optimizer
 
     @functools.wraps(make_optimizer)
@@ -45,22 +45,29 @@ def worker(
     fields: dict,
     data_dir: str,
     port: int,
-    fail_at: int,
+    fail_at: int = 0,
     separate: bool = False,
+    fail_rank: int | None = None,
 ):
-    """trainer.ddp_worker, with every rank raising right after optimizer step `fail_at`;
-    `separate`: each rank on a data folder of its own, as on machines that share no
-    filesystem (they still meet over TCP)."""
+    """trainer.ddp_worker, with every rank (or only `fail_rank`) raising right after
+    optimizer step `fail_at`; `separate`: each rank on a data folder of its own, as on
+    machines that share no filesystem (they still meet over TCP)."""
     torch.set_num_threads(1)
-    if fail_at:
+    if fail_at and fail_rank in (None, rank):
 
         def fail():
-            raise RuntimeError(f"stopped on purpose at step {fail_at}")
+            raise RuntimeError(f"rank {rank} stopped on purpose at step {fail_at}")
 
         stop_after_step(fail_at, fail)
     if separate:
         data_dir = str(machine_folder(data_dir, rank))
     trainer.ddp_worker(rank, world_size, fields, data_dir, port)
+
+
+def rank_1_fails_at_step_3(rank: int, world_size: int, fields: dict, data_dir: str, port) -> None:
+    """A stand-in for trainer.ddp_worker, with its arguments, for trainer.train_distributed
+    to start: rank 1 raises after optimizer step 3, rank 0 trains on as if nothing happened."""
+    worker(rank, world_size, fields, data_dir, port, fail_at=3, fail_rank=1)
 
 
 def spawn(fields: dict, data_dir, fail_at: int = 0, world_size: int = 2) -> None:

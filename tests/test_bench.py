@@ -32,10 +32,10 @@ def data_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(MIRROR))
         data = at.prepare_data(SMOKE, folder)
-    run = trainer.new_run(trainer.Lesson.of(at), SMOKE, data, folder, torch.device("cpu"))
+    run_folder = trainer.run_folder(SMOKE, data, vars(at), folder)
     at.set_seed(0)
-    run.model = at.model_for(SMOKE, data.vocabs)
-    save_checkpoint(run.path("final"), **run.checkpoint())
+    model = at.model_for(SMOKE, data.vocabs)
+    save_checkpoint(run_folder / "final.pt", model=model.state_dict(), history=[])
     return folder
 
 

@@ -5,26 +5,12 @@ import math
 
 import pytest
 import torch
-from conftest import MIRROR, prepared_data
+from conftest import CPU, MIRROR, quick_settings, train_as_the_notebook
 from torch import nn
 
 import annotated_transformer as at
 import trainer
-from plumbing import read_checkpoint
-
-# the smoke preset (linear schedule, clipping) shrunk further; no averaging unless asked
-SMALL = dataclasses.replace(
-    at.SMOKE, name="small", d_model=16, d_ff=32, train_pairs=200, eval_pairs=20, batch_tokens=400
-)
-SMALL = dataclasses.replace(SMALL, warmup=4, average_last=1, beam_size=3)
-LESSON = trainer.Lesson.of(at)
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def data(tmp_path, monkeypatch):
-    return prepared_data(SMALL, tmp_path, monkeypatch)
-
+from plumbing import read_checkpoint, save_checkpoint
 
 # --- the schedule ------------------------------------------------------------------------
 
@@ -51,21 +37,47 @@ def test_a_linear_schedule_needs_room_after_the_warmup():
     at.make_optimizer(nn.Linear(2, 2), settings, total_steps=51)  # one step after it will do
 
 
-def test_planned_steps_are_the_steps_training_takes_and_the_rate_ends_at_zero(data, tmp_path):
-    trained = trainer.load_or_train(LESSON, SMALL, data, tmp_path, device=CPU, show=False)
-    last = read_checkpoint(trained.folder / "last.pt")
-    planned = trainer.planned_steps(LESSON, SMALL, data.train)
-    assert planned > SMALL.warmup
-    assert last["state"]["step"] == planned
+def test_a_planned_end_within_the_warmup_is_refused_when_the_warmup_ends():
+    """A run planned to the clock knows its end only after its first steps, so the check
+    waits for the end of the warm-up, then refuses as a number would."""
+    settings = at.Settings(name="t", d_model=16, warmup=3, schedule="linear")
+    optimizer, schedule = at.make_optimizer(nn.Linear(2, 2), settings, total_steps=lambda: 3)
+    for _ in range(2):  # steps 2 and 3 are still warming up
+        optimizer.step()
+        schedule.step()
+    with pytest.raises(ValueError, match=r"more planned steps \(3\) than warm-up steps \(3\)"):
+        schedule.step()
+
+
+@pytest.mark.slow
+def test_a_fixed_run_takes_its_planned_steps_and_ends_its_rate_at_zero(quick_data, tmp_path):
+    settings = dataclasses.replace(quick_settings(), epochs=2)
+    _, history, folder = train_as_the_notebook(settings, quick_data, tmp_path)
+    plan, last = history[-1]["plan"], read_checkpoint(folder / "last.pt")
+    en = quick_data.vocabs["en"]
+    batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU)
+    assert plan["steps"] == 2 * math.ceil(len(batches) / settings.accum_iter) > settings.warmup
+    assert last["state"]["step"] == plan["steps"]
     assert last["schedule"]["_last_lr"] == [0.0]  # the rate after the last step
 
 
-def test_planned_steps_with_ranks_count_as_one_process_does():
-    pairs = [([1, 5, 2], [1, 6, 7, 2])] * 300
-    settings = dataclasses.replace(SMALL, accum_iter=1, epochs=3)
-    one = trainer.planned_steps(LESSON, settings, pairs)
-    two = trainer.planned_steps(LESSON, settings, pairs, world_size=2)
-    assert two % 2 == 0 and abs(two - one) <= 2 * settings.epochs  # rounding per epoch only
+def test_every_presets_warmup_ends_well_before_its_run(tmp_path, monkeypatch):
+    """A third of a fixed run, or the first epoch of a run planned to the clock (one that
+    fits fewer than MIN_USEFUL_EPOCHS epochs warns)."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    # the presets keep the same training pairs (word vocabularies, the same longest pair)
+    assert len({(s.bpe_merges, s.max_train_len) for s in at.PRESETS.values()}) == 1
+    pairs = at.prepare_data(at.get_settings("cpu"), tmp_path).train
+    assert len(pairs) > 28_000
+    for settings in at.PRESETS.values():
+        batches = at.bucket_batches(pairs[: settings.train_pairs], settings.batch_tokens,
+                                    seed=settings.seed, epoch=0)  # fmt: skip
+        epoch_steps = math.ceil(len(batches) / settings.accum_iter)
+        epochs = trainer.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
+        assert settings.warmup < epochs * epoch_steps / 3, settings.name
+        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=epochs * epoch_steps)
 
 
 # --- clipping ----------------------------------------------------------------------------
@@ -95,22 +107,21 @@ def test_clipping_scales_all_gradients_together_to_the_norm():
 # --- precision ---------------------------------------------------------------------------
 
 
+def tiny_model(dropout: float = 0.1):
+    return at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=dropout))
+
+
 def tiny_batch():
     src = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
     return at.Batch(src, src, 0)
 
 
-def test_precision_follows_the_settings_the_device_and_a_measurement(capsys):
-    model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
-    criterion = at.LabelSmoothing(11, 0, 0.1)
-    batch = tiny_batch()
+def test_precision_follows_the_settings_the_device_and_a_measurement(capsys, monkeypatch):
+    model, batch = tiny_model(), tiny_batch()
     fp32, bf16, auto = (at.Settings(name="t", precision=p) for p in ("fp32", "bf16", "auto"))
 
-    def choose(settings, device=CPU, world_size=1):
-        device = torch.device(device)
-        return trainer.choose_precision(
-            settings, device, LESSON, model, batch, criterion, world_size
-        )
+    def choose(settings, device="cpu", world_size=1):
+        return trainer.choose_precision(settings, torch.device(device), model, batch, world_size)
 
     assert at.Settings(name="t").precision == "fp32"  # the default: the same numbers anywhere
     assert choose(fp32) == choose(fp32, "cuda") == "fp32"  # asked for: never changed
@@ -119,18 +130,20 @@ def test_precision_follows_the_settings_the_device_and_a_measurement(capsys):
     assert choose(auto, "mps") == choose(bf16, "mps") == "fp32"  # no bf16 autocast there
     assert choose(auto, world_size=2) == "fp32"  # CPU ranks would have to agree
     assert capsys.readouterr().out == ""  # none of these needed a measurement
-    chosen = choose(auto)
-    printed = capsys.readouterr().out
-    assert chosen in ("fp32", "bf16") and "one validation batch, forward and backward:" in printed
-    assert printed.rstrip().endswith(f"training in {'bf16' if chosen == 'bf16' else 'float32'}")
+    for pays, chosen, said in [(True, "bf16", "bf16"), (False, "fp32", "float32")]:
+        monkeypatch.setattr(trainer, "bf16_pays_off", lambda *args, pays=pays: (pays, 0.5, 0.25))
+        assert choose(auto) == chosen  # on a CPU, the measurement decides
+        assert capsys.readouterr().out == (
+            f"one validation batch, forward and backward: 0.50 s in float32, 0.25 s in bf16 "
+            f"-> training in {said}\n"
+        )
 
 
 def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
     at.set_seed(0)
-    model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.5))
+    model = tiny_model(dropout=0.5)
     before = torch.get_rng_state()
-    criterion = at.LabelSmoothing(11, 0)
-    pays, fp32, bf16 = trainer.bf16_pays_off(LESSON, model, tiny_batch(), criterion, repeats=1)
+    pays, fp32, bf16 = trainer.bf16_pays_off(model, tiny_batch(), repeats=1)
     assert fp32 > 0 and bf16 > 0 and pays == (fp32 > 1.2 * bf16)  # the default margin
     assert torch.equal(before, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
@@ -162,84 +175,58 @@ def test_autocast_for_runs_the_products_in_bf16_only_when_asked():
 # --- averaging ---------------------------------------------------------------------------
 
 
-def test_average_weights_is_the_elementwise_mean():
-    dicts = [{"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)} for _ in range(3)]
-    dicts[1]["w"] = torch.tensor([4.0, -1.0])
-    mean = trainer.average_weights(dicts)
-    assert torch.allclose(mean["w"], torch.tensor([2.0, 1.0])) and mean["b"] == 3.0
+def test_averaged_weights_are_the_elementwise_mean_of_the_last_epochs(tmp_path):
+    settings = dataclasses.replace(quick_settings(), average_last=2)
+    run = trainer.Run(settings, tmp_path, trainer.Plan(3, "fp32"))
+    run.epoch, run.history = 3, [{}, {}, {}]  # after three epochs
+    weights = {0: [9.0, 9.0], 1: [1.0, 2.0], 2: [4.0, -1.0]}  # epoch 0 falls outside
+    for epoch, w in weights.items():
+        save_checkpoint(tmp_path / f"epoch-{epoch}.pt", model={"w": torch.tensor(w)})
+    assert torch.equal(run.averaged_weights()["w"], torch.tensor([2.5, 0.5]))
+    assert run.history[-1]["averaged"] == {"epochs": [1, 2]}
 
 
-def test_the_final_model_is_the_average_of_the_last_epochs(data, tmp_path):
-    settings = dataclasses.replace(SMALL, epochs=3, average_last=2)
-    trained = trainer.load_or_train(LESSON, settings, data, tmp_path, device=CPU, show=False)
-    model, history, folder = trained.model, trained.history, trained.folder
+@pytest.mark.slow
+def test_the_final_model_is_the_average_of_the_last_epochs(quick_data, tmp_path):
+    settings = dataclasses.replace(quick_settings(), epochs=3, average_last=2)
+    model, history, folder = train_as_the_notebook(settings, quick_data, tmp_path)
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-1.pt", "epoch-2.pt"]
     saved = [read_checkpoint(folder / f"epoch-{e}.pt")["model"] for e in (1, 2)]
     assert not torch.equal(saved[0]["generator.proj.weight"], saved[1]["generator.proj.weight"])
     for name, value in model.state_dict().items():
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
+    final = read_checkpoint(folder / "final.pt")["model"]
+    assert all(torch.equal(final[name], value) for name, value in model.state_dict().items())
     # each recorded validation score is that of the weights it names: scored again here,
     # on the same path and machine, they come out to the last bit
-    en = data.vocabs["en"]
+    en = quick_data.vocabs["en"]
     criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-    val = trainer.validation_batches(LESSON, data, settings, CPU)
+    val = at.batches_for(quick_data.val, en.pad_id, settings, CPU)
     averaged = history[-1]["averaged"]
     assert averaged["epochs"] == [1, 2]
     assert averaged["val_loss"] == at.evaluate(val, model, criterion)
-    assert averaged["val_bleu"] == at.validation_bleu(model, data)
+    assert averaged["val_bleu"] == at.validation_bleu(model, quick_data)
     model.load_state_dict(saved[1])
     assert history[-1]["val_loss"] == at.evaluate(val, model, criterion)
     assert history[-1]["val_loss"] != averaged["val_loss"]
 
 
-def test_every_presets_warmup_ends_well_before_its_run(tmp_path, monkeypatch):
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
-    # the presets keep the same training pairs (word vocabularies, the same longest pair)
-    assert len({(s.bpe_merges, s.max_train_len) for s in at.PRESETS.values()}) == 1
-    pairs = at.prepare_data(at.get_settings("cpu"), tmp_path).train
-    assert len(pairs) > 28_000
-    for settings in at.PRESETS.values():
-        ours = pairs[: settings.train_pairs]
-        # a run planned to the clock is at least MIN_USEFUL_EPOCHS long, or it warns
-        epochs = trainer.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
-        run = dataclasses.replace(settings, epochs=epochs)
-        steps = trainer.planned_steps(LESSON, run, ours)
-        if settings.train_minutes:  # a planned run fits its warm-up to its plan
-            settings = trainer.fit_warmup(settings, steps)
-        # (a planned run of MIN_USEFUL_EPOCHS ends its warm-up before it ends)
-        assert settings.warmup < (steps if settings.train_minutes else steps / 3), settings.name
-        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=steps)
+# --- decoding ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps", [100, 1142, 1143, 5000])
-def test_fit_warmup_cuts_a_short_plans_warmup_and_keeps_the_peak(steps):
-    preset = at.Settings(name="t", d_model=256, warmup=800, lr_factor=0.7071, schedule="linear")
-    fitted = trainer.fit_warmup(preset, steps)
-    assert fitted.warmup == min(800, int(0.7 * steps)) and fitted.warmup < steps
-    peak = at.rate(800, d_model=256, warmup=800, factor=0.7071)
-    rates = [
-        at.linear_rate(s, d_model=256, warmup=fitted.warmup, total=steps, factor=fitted.lr_factor)
-        for s in range(1, steps + 2)  # the rate after the last step too
-    ]
-    assert math.isclose(max(rates), peak, rel_tol=1e-12) and rates[-1] == 0.0
-    assert rates.index(max(rates)) + 1 == fitted.warmup
-
-
-def test_translate_never_writes_unk_unless_allowed(data):
+def test_translate_never_writes_unk_unless_allowed(quick_data):
     at.set_seed(0)
-    model = at.model_for(SMALL, data.vocabs).eval()
-    en = data.vocabs["en"]
+    model = at.model_for(quick_settings(), quick_data.vocabs).eval()
+    en = quick_data.vocabs["en"]
     with torch.no_grad():
         model.generator.proj.bias[en.unk_id] = 100.0  # <unk> is by far the likeliest word
-    sources = [src for src, _ in data.val[:6]]
+    sources = [src for src, _ in quick_data.val[:6]]
     for beam in (1, 3):
-        allowed = at.translate(model, sources, data.vocabs, beam_size=beam, allow_unk=True)
+        allowed = at.translate(model, sources, quick_data.vocabs, beam_size=beam, allow_unk=True)
         assert all(tokens and set(tokens) == {"<unk>"} for tokens in allowed)
-        banned = at.translate(model, sources, data.vocabs, beam_size=beam)
+        banned = at.translate(model, sources, quick_data.vocabs, beam_size=beam)
         assert all("<unk>" not in tokens for tokens in banned)
         # the ban works on both decoders (their words are not compared: an untrained
         # model's near ties may round one way on one and the other way on the other)
-        plain = at.translate(model, sources, data.vocabs, beam_size=beam, cached=False)
+        plain = at.translate(model, sources, quick_data.vocabs, beam_size=beam, cached=False)
         assert all(tokens and "<unk>" not in tokens for tokens in plain)

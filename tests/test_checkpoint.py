@@ -1,4 +1,5 @@
-"""Checkpoints, exact resume, and decoding with beam search."""
+"""Checkpoints and exact resume: after an epoch, after SIGKILL, around a re-plan, with
+averaging; and decoding with beam search and the key-value cache."""
 
 import contextlib
 import copy
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MIRROR, ROOT, prepared_data
+from conftest import MIRROR, ROOT, quick_settings, tiny_data, train_as_the_notebook
 
 import annotated_transformer as at
 import trainer
-from plumbing import CheckpointError, save_checkpoint
+from plumbing import CheckpointError, read_checkpoint, save_checkpoint
 
 TINY = at.Settings(
     name="tiny",
@@ -33,13 +34,8 @@ TINY = at.Settings(
     warmup=10,
     beam_size=3,
 )
-CPU = torch.device("cpu")
-LESSON = trainer.Lesson.of(at)
-
-
-@pytest.fixture
-def data(tmp_path, monkeypatch):
-    return prepared_data(TINY, tmp_path, monkeypatch)
+# the quick preset for two epochs: linear decay to zero and clipping, as the cpu preset
+TWO_EPOCHS = dataclasses.replace(quick_settings(), epochs=2)
 
 
 def parameters(model):
@@ -52,9 +48,8 @@ def assert_same_weights(a, b) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def train(settings, data, data_dir, lesson=LESSON) -> trainer.Run:
-    """trainer.train_model on the CPU, quietly: resumes from the folder's last.pt if any."""
-    return trainer.train_model(trainer.new_run(lesson, settings, data, data_dir, CPU, show=False))
+def losses(history) -> list:
+    return [(h["train_loss"], h["val_loss"], h["val_bleu"]) for h in history]
 
 
 class Stopped(Exception):
@@ -63,16 +58,16 @@ class Stopped(Exception):
 
 @contextlib.contextmanager
 def stopped_at_save(when, *, written: bool):
-    """Run.save raises Stopped on its first call where when(run, position) holds: right
-    after writing last.pt (written=True), or instead of writing it (killed just before)."""
+    """Run.save raises Stopped on its first call where when(run) holds: right after
+    writing last.pt (written=True), or instead of writing it (killed just before)."""
     save = trainer.Run.save
 
-    def save_or_stop(run, position):
-        if when(run, position):
+    def save_or_stop(run):
+        if when(run):
             if written:
-                save(run, position)
+                save(run)
             raise Stopped
-        save(run, position)
+        save(run)
 
     trainer.Run.save = save_or_stop
     try:
@@ -82,51 +77,56 @@ def stopped_at_save(when, *, written: bool):
         trainer.Run.save = save
 
 
-def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(data, tmp_path, capsys):
-    straight = train(TINY, data, tmp_path / "a")
-    with stopped_at_save(lambda run, position: position.epoch == 1, written=True):
-        train(TINY, data, tmp_path / "b")
-    last = trainer.read_checkpoint(trainer.run_dir(TINY, LESSON, tmp_path / "b") / "last.pt")
-    assert last["ranks"][0]["position"]["epoch"] == 1 and len(last["history"]) == 1
+def at_an_epochs_end(epoch: int):
+    """when() for stopped_at_save: the save that ends epoch `epoch`."""
+    return lambda run: run.epoch == epoch + 1 and run.done == 0
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
+    quick_data, tmp_path, capsys
+):
+    straight, straight_history, _ = train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "a")
+    with stopped_at_save(at_an_epochs_end(0), written=True):
+        train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
+    folder = trainer.run_folder(TWO_EPOCHS, quick_data, vars(at), tmp_path / "b")
+    last = read_checkpoint(folder / "last.pt")
+    assert len(last["history"]) == 1 and last["ranks"][0]["position"]["done"] == 0
+    assert not (folder / "final.pt").exists()
     capsys.readouterr()
-    resumed = train(TINY, data, tmp_path / "b")
-    assert "resuming from" in capsys.readouterr().out
-    assert [h["epoch"] for h in resumed.history] == [0, 1]
-    assert_same_weights(straight.model, resumed.model)
+    resumed, history, _ = train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
+    assert f"resuming from {folder / 'last.pt'}" in capsys.readouterr().out
+    assert [h["epoch"] for h in history] == [0, 1]
+    assert_same_weights(straight, resumed)
+    assert losses(history) == losses(straight_history)  # the same seed: the same curve
     # "Watch it learn": every epoch keeps its translations of the watched sentences,
     # the first epoch's through the resume too
-    watched = [h["watched"] for h in resumed.history]
+    watched = [h["watched"] for h in history]
     assert [len(w) for w in watched] == [len(at.WATCHED_SENTENCES)] * 2
     assert all(isinstance(t, str) for w in watched for t in w)
-    assert watched == [h["watched"] for h in straight.history]
+    assert watched == [h["watched"] for h in straight_history]
 
 
-def test_checkpoint_round_trip_and_refusals(data, tmp_path):
-    model = at.model_for(TINY, data.vocabs)
-    path = tmp_path / "c.pt"
-    save_checkpoint(
-        path,
-        model=model.state_dict(),
-        settings=trainer.training_settings(TINY),
-        vocab_fingerprint=trainer.vocab_fingerprint(data.vocabs),
-    )
-    loaded = trainer.load_checkpoint(path, TINY, data.vocabs)
-    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
-    # the name, decoding and the checkpoint interval do not shape training: it still loads
-    other_decoding = dataclasses.replace(TINY, name="t2", beam_size=5, checkpoint_steps=7)
-    trainer.load_checkpoint(path, other_decoding, data.vocabs)
+def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path):
+    vocabs = tiny_data().vocabs
+    model = at.model_for(TINY, vocabs)
+    history = [{"epoch": 0, "train_loss": 3.5, "val_loss": 3.25}]
+    save_checkpoint(tmp_path / "final.pt", model=model.state_dict(), history=history)
+    fresh = at.model_for(TINY, vocabs)
+    with pytest.raises(AssertionError):
+        assert_same_weights(model, fresh)  # so that loading has something to do
+    loaded, loaded_history = trainer.load_final(tmp_path, fresh)
+    assert_same_weights(model, loaded)
+    assert loaded_history == history
 
-    other_vocabs = {**data.vocabs, "en": at.Vocab([*at.SPECIALS, "zebra"])}
-    with pytest.raises(CheckpointError, match="other vocabularies: delete its folder"):
-        trainer.load_checkpoint(path, TINY, other_vocabs)
-    with pytest.raises(CheckpointError, match=r"other settings \(d_model\)") as refused:
-        trainer.load_checkpoint(path, dataclasses.replace(TINY, d_model=32), data.vocabs)
-    assert "\n" not in str(refused.value)
-
-    good = path.read_bytes()
-    path.write_bytes(good[: len(good) // 2])
-    with pytest.raises(CheckpointError, match="damaged or truncated"):
-        trainer.load_checkpoint(path, TINY, data.vocabs)
+    (tmp_path / "last.pt").write_bytes((tmp_path / "final.pt").read_bytes())
+    for name in ("final.pt", "last.pt"):
+        good = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="final.pt is damaged or truncated"):
+        trainer.load_final(tmp_path, fresh)
+    with pytest.raises(CheckpointError, match="last.pt is damaged or truncated"):
+        trainer.read_last(tmp_path, world_size=1)  # what a run started again reads
 
 
 class Trap:
@@ -139,13 +139,16 @@ class Trap:
         return (Path.write_text, (self.marker, "code ran"))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused_unread(data, tmp_path):
-    path, marker = tmp_path / "trap.pt", tmp_path / "ran"
-    torch.save({"model": {}, "trap": Trap(marker)}, path)
+def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path):
+    marker = tmp_path / "ran"
+    for name in ("final.pt", "last.pt"):
+        torch.save({"model": {}, "trap": Trap(marker)}, tmp_path / name)
     with pytest.raises(CheckpointError, match="damaged or truncated"):
-        trainer.load_checkpoint(path, TINY, data.vocabs)
+        trainer.load_final(tmp_path, torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="damaged or truncated"):
+        trainer.read_last(tmp_path, world_size=1)
     assert not marker.exists(), "loading a checkpoint ran code"
-    torch.load(path, weights_only=False)  # the trap is real: a plain unpickling runs it
+    torch.load(tmp_path / "last.pt", weights_only=False)  # the trap is real: unpickling runs it
     assert marker.read_text() == "code ran"
 
 
@@ -172,23 +175,17 @@ def assert_equal_or_tied(ours, theirs, model, src, src_mask, tol=1e-4) -> None:
 
 
 @pytest.mark.numerics
-def test_beam_of_one_equals_greedy(data):
+def test_beam_of_one_equals_greedy(quick_data):
     at.set_seed(3)
-    model = at.model_for(TINY, data.vocabs).eval()
-    en = data.vocabs["en"]
-    src = at.collate(data.val, list(range(10)), en.pad_id)
+    model = at.model_for(TINY, quick_data.vocabs).eval()
+    en = quick_data.vocabs["en"]
+    src = at.collate(quick_data.val, list(range(10)), en.pad_id)
     ids = en.special_ids()
     greedy = at.greedy_decode(model, src.src, src.src_mask, 20, ids=ids)
     beam = at.beam_search(model, src.src, src.src_mask, 20, beam_size=1, alpha=0.6, ids=ids)
     assert greedy.size(1) > 5, "the sentences are several words long"
     with torch.no_grad():
         assert_equal_or_tied(beam, greedy, model, src.src, src.src_mask)
-
-
-def test_same_seed_gives_the_same_loss_curve_to_the_last_bit(data, tmp_path):
-    first, second = (train(TINY, data, tmp_path / run).history for run in ("a", "b"))
-    curve = [(h["train_loss"], h["val_loss"]) for h in first]
-    assert curve == [(h["train_loss"], h["val_loss"]) for h in second]
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +202,8 @@ def decoding(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(MIRROR))
         data = at.prepare_data(settings, folder)
-    trained = trainer.load_or_train(LESSON, settings, data, folder, device=CPU, show=False)
-    return trained.model.eval(), data
+    model, _, _ = train_as_the_notebook(settings, data, folder)
+    return model.eval(), data
 
 
 def with_attention(model, use_sdpa: bool):
@@ -232,6 +229,7 @@ def assert_cached_equals_full(model, data):
             assert torch.allclose(full(prefix), cached(prefix), atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("use_sdpa", [True, False])
 def test_cached_steps_equal_the_full_recompute(decoding, use_sdpa):
@@ -239,6 +237,7 @@ def test_cached_steps_equal_the_full_recompute(decoding, use_sdpa):
     assert_cached_equals_full(with_attention(model, use_sdpa), data)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_cached_steps_equal_the_full_recompute_with_pre_norm(decoding):
     _, data = decoding
@@ -295,6 +294,7 @@ def ending_at(steps, ends: list[int], k: int, end_id: int):
     return Ending
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_the_cache_follows_greedy_and_beam_search(decoding):
     """Sentences that end at different steps (constructed, not left to training): at every
@@ -320,6 +320,7 @@ def test_the_cache_follows_greedy_and_beam_search(decoding):
         assert len(set(map(tuple, words.tolist()))) > 10, "the words come from the model"
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypatch):
     """translate's cached path, with its chunks and banned words, keeps the cache in step
@@ -333,6 +334,7 @@ def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypat
     assert record and all(search.steps > 5 and search.gap < 1e-4 for search in record)
 
 
+@pytest.mark.slow
 def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, capsys):
     model, data = decoding
     limit = at.positions_of(model)
@@ -358,14 +360,15 @@ data_dir, out, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 settings = at.Settings(**json.loads(sys.argv[4]))
 if kill_at:
     stop_after_step(kill_at, lambda: os.kill(os.getpid(), signal.SIGKILL))
-lesson = trainer.Lesson.of(at)  # after stop_after_step, so that it trains with its hook
 data = at.prepare_data(settings, data_dir)
-trained = trainer.load_or_train(lesson, settings, data, data_dir, device=torch.device("cpu"))
-torch.save({"model": trained.model.state_dict(), "history": trained.history}, out)
+# the notebook's training cell
+folder = trainer.run_folder(settings, data, vars(at), data_dir)
+finished = trainer.load_final(folder, at.model_for(settings, data.vocabs))
+model, history = finished or at.train(settings, data, folder, device=torch.device("cpu"))
+torch.save({"model": model.state_dict(), "history": history}, out)
 """
-KILLED = dataclasses.replace(TINY, batch_tokens=300, warmup=10, checkpoint_steps=3, beam_size=4)
-# the cpu preset's ways: linear decay, clipping, averaging
-BUDGET = dataclasses.replace(KILLED, epochs=3, schedule="linear", clip_norm=1.0, average_last=2)
+KILLED = dataclasses.replace(TWO_EPOCHS, batch_tokens=300, checkpoint_steps=3)
+BUDGET = dataclasses.replace(KILLED, epochs=3, average_last=2)  # and averaging
 
 
 def run_child(tmp_path, data_dir, kill_at, settings=KILLED):
@@ -385,129 +388,139 @@ def run_child(tmp_path, data_dir, kill_at, settings=KILLED):
     return result, out
 
 
-def test_sigkill_mid_epoch_then_restart_is_bit_identical(tmp_path):
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
+def same_outputs(straight_out, resumed_out) -> list:
+    """Asserts that the two runs' models are equal to the last bit; returns their scores."""
+    a = torch.load(straight_out, weights_only=True)
+    b = torch.load(resumed_out, weights_only=True)
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    scores = [[(*losses([h])[0], h.get("averaged")) for h in run["history"]] for run in (a, b)]
+    assert scores[0] == scores[1]
+    return scores[0]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_restart_is_bit_identical(quick_data, tmp_path):
     straight, straight_out = run_child(tmp_path, tmp_path / "straight", kill_at=0)
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at=7)
-    assert killed.returncode == -signal.SIGKILL
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # the folder that this process names for the run: the one the child trained in
-    folder = trainer.run_dir(KILLED, LESSON, tmp_path / "killed")
-    last = torch.load(folder / "last.pt", weights_only=True)
-    position = last["ranks"][0]["position"]
-    assert position["epoch"] == 0 and position["batches"] > 0  # mid-epoch
+    folder = trainer.run_folder(KILLED, quick_data, vars(at), tmp_path / "killed")
+    last = read_checkpoint(folder / "last.pt")
+    assert last["history"] == [] and last["ranks"][0]["position"]["done"] > 0  # mid-epoch 0
     assert last["state"]["step"] == 6  # the last multiple of checkpoint_steps before 7
 
     resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", kill_at=0)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
-    a = torch.load(straight_out, weights_only=True)
-    b = torch.load(resumed_out, weights_only=True)
-    assert a["model"].keys() == b["model"].keys()
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    losses = [[(h["train_loss"], h["val_loss"]) for h in run["history"]] for run in (a, b)]
-    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert len(same_outputs(straight_out, resumed_out)) == 2
 
 
-def test_a_budget_run_killed_in_its_last_epoch_resumes_to_the_same_average(tmp_path):
+@pytest.mark.slow
+def test_a_budget_run_killed_in_its_last_epoch_resumes_to_the_same_average(quick_data, tmp_path):
     """Linear decay, clipping and averaging survive SIGKILL: the epoch files already
     written are kept, and the averaged model is bit-identical to an uninterrupted run's."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
     straight, straight_out = run_child(tmp_path, tmp_path / "straight", 0, BUDGET)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    last = trainer.run_dir(BUDGET, LESSON, tmp_path / "straight") / "last.pt"
-    steps = torch.load(last, weights_only=True)["state"]
-    kill_at = steps["step"] * 5 // 6  # in the middle of the last of the three epochs
+    last = trainer.run_folder(BUDGET, quick_data, vars(at), tmp_path / "straight") / "last.pt"
+    kill_at = read_checkpoint(last)["state"]["step"] * 5 // 6  # in the last of three epochs
 
     killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at, BUDGET)
-    assert killed.returncode == -signal.SIGKILL
-    folder = trainer.run_dir(BUDGET, LESSON, tmp_path / "killed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    folder = trainer.run_folder(BUDGET, quick_data, vars(at), tmp_path / "killed")
     assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()
-    assert torch.load(folder / "last.pt", weights_only=True)["ranks"][0]["position"]["epoch"] == 2
+    assert len(read_checkpoint(folder / "last.pt")["history"]) == 2
 
     resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0, BUDGET)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = torch.load(straight_out, weights_only=True)
-    b = torch.load(resumed_out, weights_only=True)
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    scores = [
-        [(h["train_loss"], h["val_loss"], h["val_bleu"], h.get("averaged")) for h in run["history"]]
-        for run in (a, b)
-    ]
-    assert scores[0] == scores[1] and scores[0][-1][3]["epochs"] == [1, 2]
+    scores = same_outputs(straight_out, resumed_out)
+    assert len(scores) == 3 and scores[-1][-1]["epochs"] == [1, 2]
 
 
 # --- a planned run killed around its re-plan ------------------------------------------------
 
 
-class SlowClock:
-    """trainer's `time` module with a clock a thousand times slow: every epoch overruns
-    the budget, so the first re-plan after the warm-up cuts the run to one more epoch."""
+class StepClock:
+    """trainer's `time` module with a fake `perf_counter` that only optimizer steps move:
+    a second a step in the first epoch, a thousand after it (as if the machine slowed
+    down), nothing for validation. It reads the step of the run that resumed last, so a
+    resumed run measures what an uninterrupted one measured, on any machine."""
+
+    def __init__(self):
+        self.run = None
 
     def __getattr__(self, name):
         return getattr(time, name)
 
-    def perf_counter(self):
-        return 1000 * time.perf_counter()
+    def perf_counter(self) -> float:
+        if self.run is None:
+            return 0.0
+        step, first_epoch = self.run.objects[3].step, self.run.plan.epoch_steps
+        return float(min(step, first_epoch) + 1000 * max(step - first_epoch, 0))
 
 
-def fake_speed(tokens_per_second: float, validation_seconds: float):
-    """measure_speed as a fake clock would report it: the same plan on every machine."""
+@pytest.fixture
+def step_clock(monkeypatch):
+    clock = StepClock()
+    resume = trainer.Run.resume
 
-    def measure(*args, **kwargs):
-        return {"tokens_per_second": tokens_per_second, "validation_seconds": validation_seconds}
+    def resume_on_the_clock(run, *args):
+        clock.run = run
+        return resume(run, *args)
 
-    return measure
-
-
-KEPT = ("epochs", "steps", "warmup", "lr_factor", "decay")  # what a plan sets for training
-# re-planned after its second epoch, when the warm-up is over; no mid-epoch checkpoints
-PLANNED = dataclasses.replace(
-    TINY, train_minutes=1.0, warmup=6, schedule="linear", checkpoint_steps=0
-)
+    monkeypatch.setattr(trainer.Run, "resume", resume_on_the_clock)
+    monkeypatch.setattr(trainer, "time", clock)
+    return clock
 
 
-def test_a_planned_run_killed_around_its_replan_resumes_bit_for_bit(data, tmp_path, monkeypatch):
-    """Killed between plan.json and last.pt (the re-plan written to plan.json, the
-    epoch's last.pt not), or in the middle of its last epoch: the resumed run takes its
-    plan from last.pt, whatever plan.json says, and ends bit for bit where an
-    uninterrupted run ends."""
-    monkeypatch.setattr(trainer, "measure_speed", fake_speed(1000.0, 0.5))  # many epochs
-    monkeypatch.setattr(trainer, "time", SlowClock())
-    straight = train(PLANNED, data, tmp_path / "straight")
-    plan = straight.plan
-    (change,) = plan["replans"]  # after the first epoch past the warm-up: one more
-    assert change["after_epoch"] == 1 and change["was"] > plan["epochs"] == 3
-    assert len(straight.history) == 3
+def plan_of(history) -> dict:
+    """The plan that a run ended with, but for when it was made."""
+    return {k: v for k, v in history[-1]["plan"].items() if k != "made"}
 
-    def replanned(run, position):  # the save right after the re-plan, at the epoch's end
-        return "replans" in run.plan and position.batches == 0
 
-    with stopped_at_save(replanned, written=False):
-        train(PLANNED, data, tmp_path / "between")
-    folder = trainer.run_dir(PLANNED, LESSON, tmp_path / "between")
-    last = trainer.read_checkpoint(folder / "last.pt")
-    position = last["ranks"][0]["position"]
-    assert (position["epoch"], position["batches"]) == (1, 0)  # from the end of epoch 0
-    on_disk = json.loads((folder / "plan.json").read_text())
-    assert on_disk["epochs"] == 3 and last["plan"]["epochs"] == change["was"]  # plan.json stale
-    resumed = train(PLANNED, data, tmp_path / "between")
-    assert_same_weights(straight.model, resumed.model)
-    assert [resumed.plan[k] for k in KEPT] == [plan[k] for k in KEPT]
-    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+# planned to the clock; no mid-epoch checkpoints
+PLANNED = dataclasses.replace(quick_settings(), train_minutes=1.5, checkpoint_steps=0)
 
-    def in_last_epoch(run, position):
-        return run.state.step == plan["steps"] - 1
+
+@pytest.mark.slow
+def test_a_planned_run_killed_around_its_replan_resumes_bit_for_bit(
+    quick_data, tmp_path, step_clock
+):
+    """The run plans from the timed steps of its first epoch; its second epoch is slower
+    (see StepClock), so the re-plan after it cuts the run to three epochs. Killed between
+    that re-plan and the epoch's last.pt, or in the middle of its last epoch, the run
+    resumes and ends bit for bit where an uninterrupted run ends, with the same plan."""
+    straight, history, _ = train_as_the_notebook(PLANNED, quick_data, tmp_path / "straight")
+    plan = history[-1]["plan"]
+    assert plan["made"] and plan["tokens_per_second"] > 0  # planned from the timed steps
+    change = plan["replans"][-1]
+    assert change["after_epoch"] == 1 and change["was"] > plan["epochs"] == 3 == len(history)
+
+    with stopped_at_save(at_an_epochs_end(1), written=False):
+        train_as_the_notebook(PLANNED, quick_data, tmp_path / "between")
+    folder = trainer.run_folder(PLANNED, quick_data, vars(at), tmp_path / "between")
+    last = read_checkpoint(folder / "last.pt")
+    assert len(last["history"]) == 1 and last["plan"]["epochs"] == change["was"]  # before it
+    resumed, resumed_history, _ = train_as_the_notebook(PLANNED, quick_data, tmp_path / "between")
+    assert_same_weights(straight, resumed)
+    assert plan_of(resumed_history) == plan_of(history)
+    assert losses(resumed_history) == losses(history)
 
     every_step = dataclasses.replace(PLANNED, checkpoint_steps=1)  # the same run's folder
+
+    def in_last_epoch(run) -> bool:
+        return run.objects[3].step == plan["steps"] - 1
+
     with stopped_at_save(in_last_epoch, written=True):
-        train(every_step, data, tmp_path / "last-epoch")
-    folder = trainer.run_dir(PLANNED, LESSON, tmp_path / "last-epoch")
-    assert trainer.read_checkpoint(folder / "last.pt")["plan"]["epochs"] == plan["epochs"]
-    (folder / "plan.json").write_text("{garbage")
-    resumed = train(PLANNED, data, tmp_path / "last-epoch")
-    assert_same_weights(straight.model, resumed.model)
-    assert [resumed.plan[k] for k in KEPT] == [plan[k] for k in KEPT]
+        train_as_the_notebook(every_step, quick_data, tmp_path / "last-epoch")
+    folder = trainer.run_folder(PLANNED, quick_data, vars(at), tmp_path / "last-epoch")
+    last = read_checkpoint(folder / "last.pt")
+    assert len(last["history"]) == 2 and last["plan"]["epochs"] == 3  # the re-plan is kept
+    resumed, resumed_history, _ = train_as_the_notebook(
+        PLANNED, quick_data, tmp_path / "last-epoch"
+    )
+    assert_same_weights(straight, resumed)
+    assert plan_of(resumed_history) == plan_of(history)
+    assert losses(resumed_history) == losses(history)

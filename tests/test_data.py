@@ -260,15 +260,6 @@ def test_long_sentences_are_dropped_with_a_count(capsys):
     assert len(pairs) == 1 and "dropped 1 of 2 pairs longer than 5" in capsys.readouterr().out
 
 
-def test_bleu_of_a_hypothesis_against_itself_is_100():
-    refs = ["A man in a blue shirt is standing on a ladder.", "Two dogs play in the snow."]
-    tokens = [[t.text for t in at.make_tokenizers()["en"](r)] for r in refs]
-    scores = at.bleu_scores(tokens, refs, tokens)
-    assert scores["bleu"] == pytest.approx(100.0)
-    assert scores["bleu_lowercase_tokenized"] == pytest.approx(100.0)
-    assert "case:mixed" in scores["signature"] and "tok:13a" in scores["signature"]
-
-
 def test_unknown_preset_is_one_clear_line(monkeypatch):
     monkeypatch.setenv("AT_PRESET", "laptop")
     with pytest.raises(ValueError, match="^unknown preset 'laptop': set AT_PRESET to one of "):

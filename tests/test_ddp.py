@@ -1,22 +1,22 @@
-"""DistributedDataParallel on CPU with gloo: sharding, equivalence, failures, machines
-that share no filesystem, torchrun."""
+"""DistributedDataParallel on CPU with gloo: sharding, equivalence, the ranks' seeds, exact
+resume, a failing rank, machines that share no filesystem, torchrun."""
 
 import dataclasses
 import os
 import random
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import stopping_jobs
 import torch
-from conftest import MIRROR, ROOT, tiny_data
+from conftest import CPU, MIRROR, ROOT, prepared_data, tiny_data
 
 import annotated_transformer as at
 import trainer
-from plumbing import CheckpointError, free_port
+from plumbing import CheckpointError, free_port, read_checkpoint
 
 TINY = at.Settings(
     name="ddp-test",
@@ -32,13 +32,13 @@ TINY = at.Settings(
     epochs=2,
     warmup=8,
 )
-pytestmark = pytest.mark.skipif(not MIRROR.is_dir(), reason=f"no Multi30k mirror at {MIRROR}")
-CPU = torch.device("cpu")
-LESSON = trainer.Lesson.of(at)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def mirror(monkeypatch):
+    """MULTI30K_DIR for this process and the ranks it starts; skips without the mirror."""
+    if not MIRROR.is_dir():
+        pytest.skip(f"no Multi30k mirror at {MIRROR}")
     monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
 
 
@@ -80,14 +80,14 @@ def sgd_rank(rank: int, world_size: int, fields: dict, data_dir: str, port: int)
     trainer.ddp_worker(rank, world_size, fields, data_dir, port)
 
 
-def reference_training(settings, data, data_dir, world_size):
+def reference_training(settings, data, world_size):
     """One process, no accumulation: each optimizer step sees, padded into one batch, all
     the pairs that the ranks' micro-batches of that step hold together."""
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs)
     optimizer, schedule = sgd_with_the_schedule(model, settings, ranks=world_size)
-    pad = data.vocabs["en"].pad_id
-    criterion = trainer.new_run(LESSON, settings, data, data_dir, CPU).criterion  # the ranks'
+    en = data.vocabs["en"]
+    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)  # train's
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
     for epoch in range(settings.epochs):
         indices = at.bucket_batches(
@@ -95,7 +95,7 @@ def reference_training(settings, data, data_dir, world_size):
         )
         indices = at.divisible_batches(indices, world_size)
         steps = [sum(indices[i : i + per_step], []) for i in range(0, len(indices), per_step)]
-        batches = [at.collate(data.train, step, pad) for step in steps]
+        batches = [at.collate(data.train, step, en.pad_id) for step in steps]
         at.run_epoch(batches, model, criterion, optimizer, schedule)
     return model
 
@@ -106,32 +106,30 @@ def only_folder(data_dir, settings) -> Path:
     return folder
 
 
-def test_the_ranks_shards_hold_different_numbers_of_tokens(tmp_path):
-    """The precondition of the equality below, from the deterministic batching alone."""
-    data = at.prepare_data(TINY, tmp_path)
-    indices = at.bucket_batches(data.train, TINY.batch_tokens, seed=TINY.seed, epoch=0)
-    shards = [at.shard_batches(indices, rank, 2) for rank in (0, 1)]
-    pad = data.vocabs["en"].pad_id
-    counts = [
-        at.tokens_per_step([at.collate(data.train, b, pad) for b in shard], TINY.accum_iter)
-        for shard in shards
-    ]
-    assert sum(a != b for a, b in zip(*counts, strict=True)) >= len(counts[0]) // 2
+def tokens_of_each_step(data, settings, rank: int, world_size: int) -> list[int]:
+    """The real target tokens of each optimizer step of rank `rank` in epoch 0."""
+    batches = at.batches_for(data.train, data.vocabs["en"].pad_id, settings, CPU, rank=rank,
+                             world_size=world_size)  # fmt: skip
+    return at.tokens_per_step(batches, settings.accum_iter)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
-def test_two_ranks_equal_one_process_on_the_union(tmp_path):
+def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, mirror):
     """2 gloo ranks with unequal token counts take the SGD steps of one process that sees
     each step's batches padded into one. SGD, not the notebook's Adam: see
     sgd_with_the_schedule. The ranks' path and the reference's round differently (other
     batch shapes, an all-reduce), so every weight may differ by rounding, no more."""
     settings = dataclasses.replace(TINY, lr_factor=10.0)  # SGD steps of a visible size
-    data = at.prepare_data(settings, tmp_path)
+    data = prepared_data(settings, tmp_path, monkeypatch)
+    # the precondition: the ranks' steps hold different numbers of tokens, most of them
+    counts = [tokens_of_each_step(data, settings, rank, 2) for rank in (0, 1)]
+    assert sum(a != b for a, b in zip(*counts, strict=True)) >= len(counts[0]) // 2
     args = (2, dataclasses.asdict(settings), str(tmp_path), free_port())
     torch.multiprocessing.spawn(sgd_rank, args=args, nprocs=2, join=True)
-    final = torch.load(only_folder(tmp_path, settings) / "final.pt", weights_only=True)
+    final = read_checkpoint(only_folder(tmp_path, settings) / "final.pt")
     assert len(final["history"]) == settings.epochs
-    reference = reference_training(settings, data, tmp_path, world_size=2).state_dict()
+    reference = reference_training(settings, data, world_size=2).state_dict()
     at.set_seed(settings.seed)
     start = at.model_for(settings, data.vocabs).state_dict()
     assert final["model"].keys() == reference.keys()
@@ -143,52 +141,58 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path):
     assert worst < 1e-5, f"largest difference {worst:.2e} (largest change {moved:.2e})"
 
 
-def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path):
-    """start_or_resume seeds by rank (one process here stands for each rank in turn:
-    world_size stays 1, so no process group is needed to wrap the model)."""
-    data = at.prepare_data(TINY, tmp_path)
-
-    def start(rank: int) -> torch.nn.Module:
-        run = trainer.new_run(LESSON, TINY, data, tmp_path, CPU, rank=rank)
-        run.plan = trainer.plan_run(run, probe=None)  # a fixed run: nothing to measure
-        trainer.start_or_resume(run, None)
-        return run.model
-
-    weights, masks = [], []
-    for rank in (0, 1):
-        model = start(rank)
-        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        masks.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
-    assert torch.equal(weights[0], weights[1])
-    assert (masks[0] != masks[1]).float().mean() > 0.3  # independent masks differ in ~half
-    start(1)
-    again = torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0
-    assert torch.equal(again, masks[1]), "a rank's stream is the same on every run"
+class Started(Exception):
+    """The run stopped right after Run.resume."""
 
 
-def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
+def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, monkeypatch):
+    """The notebook's `train` seeds the model with the settings' seed, then Run.resume
+    seeds dropout by rank. One process stands for each rank in turn: world_size stays 1,
+    so no process group is needed, and `train` stops right after resume."""
+    resume, seen = trainer.Run.resume, []
+
+    def resume_and_stop(run, model, *args):
+        resume(run, model, *args)
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        seen.append((weights, torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0))
+        raise Started
+
+    monkeypatch.setattr(trainer.Run, "resume", resume_and_stop)
+
+    def started(rank: int) -> tuple:
+        torch.manual_seed(100 + len(seen))  # whatever ran before: train seeds its own
+        with pytest.raises(Started):
+            at.train(TINY, tiny_data(), tmp_path, device=CPU, rank=rank)
+        return seen[-1]
+
+    (weights_0, mask_0), (weights_1, mask_1) = started(0), started(1)
+    assert torch.equal(weights_0, weights_1)
+    assert (mask_0 != mask_1).float().mean() > 0.3  # independent masks differ in ~half
+    assert torch.equal(started(1)[1], mask_1), "a rank's stream is the same on every run"
+
+
+@pytest.mark.slow
+def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch, mirror):
     """2 ranks with dropout stop after optimizer step 5 (both raise); the restart resumes
     from the step-4 checkpoint, each rank from its own totals and random states, and
     ends bit-identical to an uninterrupted run, per-epoch train losses included."""
     settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400, checkpoint_steps=2)
     fields = dataclasses.asdict(settings)
-    at.prepare_data(settings, tmp_path / "straight")
+    prepared_data(settings, tmp_path / "straight", monkeypatch)  # the ranks read its caches
     stopping_jobs.spawn(fields, tmp_path / "straight", fail_at=0)
-    at.prepare_data(settings, tmp_path / "stopped")
+    data = prepared_data(settings, tmp_path / "stopped", monkeypatch)
     with pytest.raises(Exception, match="stopped on purpose at step 5"):
         stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=5)
     # the stopped job's optimizer was instrumented, its folder is still the run's own
-    folder = trainer.run_dir(settings, LESSON, tmp_path / "stopped")
-    last = torch.load(folder / "last.pt", weights_only=True)
+    folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped")
+    last = read_checkpoint(folder / "last.pt")
     position = last["ranks"][0]["position"]
-    assert last["state"]["step"] == 4 and position["epoch"] == 0 and position["batches"] == 8
+    assert last["state"]["step"] == 4 and last["history"] == [] and position["done"] == 8
     totals = [r["position"]["tokens"] for r in last["ranks"]]
     assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
-        torch.load(
-            trainer.run_dir(settings, LESSON, tmp_path / run) / "final.pt", weights_only=True
-        )
+        read_checkpoint(trainer.run_folder(settings, data, vars(at), tmp_path / run) / "final.pt")
         for run in ("straight", "stopped")
     )
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -196,33 +200,46 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     assert losses[0] == losses[1] and len(losses[0]) == settings.epochs
 
 
-def run_script(code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.perf_counter()
-    result = subprocess.run(
+def run_job(code: str, timeout: float, **env) -> subprocess.CompletedProcess:
+    """Run `code` in a new Python process, in a session of its own: if it is still running
+    after `timeout` seconds, kill it with every process it started, and fail."""
+    job = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
-        env={**os.environ, "AT_PRESET": "smoke", "PYTHONPATH": str(ROOT), **env},
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **env},
     )
-    return result, time.perf_counter() - start
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail(f"the job still ran after {timeout:.0f} s: it hangs")
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
-def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path):
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, mirror):
+    """trainer.train_distributed, with rank 1 raising after step 3 while rank 0 trains on
+    (stopping_jobs' stand-in for its worker): the job ends, well before the timeout, with
+    rank 1's message, and leaves no final model."""
     code = (
-        "import annotated_transformer as at, trainer;"
+        "import annotated_transformer as at, stopping_jobs, trainer\n"
+        "trainer.ddp_worker = stopping_jobs.rank_1_fails_at_step_3\n"
         f"trainer.train_distributed(at.Settings(**{dataclasses.asdict(TINY)!r}), "
         f"{str(tmp_path)!r}, 2)"
     )
-    result, seconds = run_script(code, tmp_path, AT_FAIL_RANK="1")
+    result = run_job(code, timeout=120)
     assert result.returncode != 0
-    assert "rank 1 failed on purpose" in result.stderr
-    assert seconds < 60
+    assert "rank 1 stopped on purpose at step 3" in result.stderr
     assert not list(tmp_path.glob("checkpoints/*/final.pt"))
 
 
-def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path):
+@pytest.mark.slow
+def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path, mirror):
     """Two machines without a shared filesystem: a job stopped mid-epoch left its last.pt
     on rank 0's disk only. Started again, both ranks stop before training, with one
     CheckpointError that names the cure, rather than rank 0 resuming, rank 1 starting
@@ -230,22 +247,22 @@ def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_
     fields = dataclasses.asdict(dataclasses.replace(TINY, checkpoint_steps=2))
     first = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120, fail_at=3)
     assert "stopped on purpose at step 3" in str(first)
-    last = trainer.run_dir(TINY, LESSON, stopping_jobs.machine_folder(tmp_path, 0)) / "last.pt"
+    (last,) = stopping_jobs.machine_folder(tmp_path, 0).glob("checkpoints/*/last.pt")
     written = last.read_bytes()
     second = stopping_jobs.machine_folder(tmp_path, 1)
     assert not list(second.glob("checkpoints/*/*.pt"))  # rank 0 alone writes checkpoints
 
-    start = time.perf_counter()
     error = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120)
     assert error is not None, "the job ran as if every rank saw the same checkpoint"
     assert "CheckpointError" in str(error)
     assert "put data/ on a filesystem that every machine shares" in str(error)
-    assert time.perf_counter() - start < 120
     assert last.read_bytes() == written and not list(second.glob("checkpoints/*/*.pt"))
 
 
-def test_torchrun_entry_point_runs_two_processes(tmp_path):
-    start = time.perf_counter()
+@pytest.mark.slow
+def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, mirror):
+    smoke = at.get_settings("smoke")
+    data = prepared_data(smoke, tmp_path, monkeypatch)  # the ranks read its caches
     result = subprocess.run(
         [
             sys.executable,
@@ -262,29 +279,27 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path):
         env={**os.environ, "AT_PRESET": "smoke", "AT_DATA_DIR": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    smoke = at.get_settings("smoke")
-    final = torch.load(trainer.run_dir(smoke, LESSON, tmp_path) / "final.pt", weights_only=True)
+    final = read_checkpoint(trainer.run_folder(smoke, data, vars(at), tmp_path) / "final.pt")
     assert len(final["history"]) == smoke.epochs
-    assert time.perf_counter() - start < 300
 
 
-def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     """A last.pt holds one position and one set of random states per process: a run on
     another number of processes would resume from the wrong ones, so it stops in one line."""
-    data, cpu = tiny_data(), torch.device("cpu")
     settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2)
-    lesson = trainer.Lesson.of(at)
+    model = at.model_for(settings, tiny_data().vocabs)
 
-    def run_on(world_size: int) -> trainer.Run:
-        run = trainer.new_run(lesson, settings, data, tmp_path, cpu, world_size=world_size)
-        run.plan = {"epochs": settings.epochs, "steps": 10, "precision": "fp32"}
-        return run
+    def resumed_on(world_size: int) -> tuple:
+        run = trainer.start(settings, tmp_path, model, None, world_size=world_size)
+        optimizer, schedule = at.make_optimizer(model, settings, total_steps=run.planned_steps)
+        return run.resume(model, optimizer, schedule, at.TrainState()), run
 
-    run = run_on(1)
-    trainer.start_or_resume(run, None)
-    run.save(trainer.Position(epoch=1))
-    assert run.path("last").is_file()
+    state, run = resumed_on(1)
+    state.step = 3
+    run.save()
+    assert (tmp_path / "last.pt").is_file()
     with pytest.raises(CheckpointError, match=r"on 1 process\(es\), not 2: resume with as many"):
-        trainer.read_last(run_on(2))
-    checkpoint = trainer.read_last(run_on(1))  # the same count resumes
-    assert trainer.start_or_resume(run_on(1), checkpoint) == trainer.Position(epoch=1)
+        resumed_on(2)
+    capsys.readouterr()
+    state, _ = resumed_on(1)  # the same count resumes
+    assert state.step == 3 and "resuming from" in capsys.readouterr().out

@@ -9,10 +9,14 @@ untouched starter stops its check at once.
 """
 
 import ast
+import linecache
+import re
 
 import nbformat
 import pytest
 from conftest import ROOT, run_smoke_notebook
+
+import annotated_transformer as at
 
 NOTEBOOK = ROOT / "annotated_transformer.ipynb"
 GAP = "✎"
@@ -65,7 +69,7 @@ def test_every_part_has_its_exercises_in_starter_solution_check_order():
 
 
 # names whose top-level use marks a cell that trains, or needs what training made
-TRAINED = {"train_copy_task", "trainer", "model", "history", "trained", "maps", "copy_model"}
+TRAINED = {"train_copy_task", "trainer", "model", "history", "maps", "copy_model"}
 
 
 def top_level_names(cell) -> tuple[set[str], set[str]]:
@@ -108,7 +112,7 @@ def without_solutions(tmp_path_factory):
 def test_the_cheap_run_leaves_out_the_training_cells_only():
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     left_out = [c.source for c in training_cells(notebook)]
-    assert any("load_or_train" in source for source in left_out)
+    assert any("trainer.load_final" in source for source in left_out)
     assert any("train_copy_task()" in source for source in left_out)
     assert not any(source.lstrip().startswith(("def ", "class ")) for source in left_out)
 
@@ -117,6 +121,7 @@ def errors(cell) -> list[dict]:
     return [o for o in cell.get("outputs", []) if o.output_type == "error"]
 
 
+@pytest.mark.slow  # runs the notebook
 def test_every_check_fails_on_its_untouched_starter(without_solutions):
     checks = [c for c in without_solutions.cells if "check" in tags(c)]
     assert len(checks) >= 2 * len(PARTS)
@@ -125,8 +130,39 @@ def test_every_check_fails_on_its_untouched_starter(without_solutions):
         assert error.ename == "AssertionError" and "gap" in error.evalue, (cell.source, error)
 
 
+@pytest.mark.slow
 def test_only_the_checks_fail_without_the_solutions(without_solutions):
     failed = [
         c.source[:80] for c in without_solutions.cells if errors(c) and "check" not in tags(c)
     ]
     assert failed == [], "these cells need a solution, or failed for another reason"
+
+
+def run_cell(source: str, namespace: dict, name: str) -> None:
+    """Run a cell's source as a kernel does, with its text where inspect finds it."""
+    filename = f"<cell {name}>"
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+def test_our_answer_fills_an_empty_gap_and_never_replaces_a_filled_one():
+    """Shift-Enter down the page is safe: after a starter whose gap (✎) is filled, the
+    folded answer leaves the student's own answer in place for the check; after an
+    untouched starter, ours stands in, so Run All still passes."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    helpers = next(c.source for c in notebook.cells if "def gap_is_empty" in c.source)
+    found = exercise_cells(notebook)
+    triples = [[cell for _, _, cell in found[i : i + 3]] for i in range(0, len(found), 3)]
+    for number, (starter, solution, _) in enumerate(triples):
+        (name,) = re.findall(r'gap_is_empty\("(\w+)"\)', solution.source)
+        for gap in ("...", "None"):  # untouched, then filled in (with a wrong answer)
+            namespace = dict(vars(at))
+            run_cell(helpers, namespace, "helpers")
+            run_cell(starter.source.replace("...  # ✎", f"{gap}  # ✎"), namespace, f"s{number}")
+            mine = namespace[name]
+            run_cell(solution.source, namespace, f"answer {number}")
+            if gap == "...":
+                assert namespace[name] is not mine and namespace[name] is not ..., name
+            else:
+                assert namespace[name] is mine, f"our answer replaced a filled-in {name}"

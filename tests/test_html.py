@@ -167,6 +167,7 @@ def page(tmp_path_factory, request):
     return notebook, html, charts
 
 
+@pytest.mark.slow  # reads the executed notebook: runs it unless nbval just did
 def test_the_page_keeps_at_most_one_progress_line_per_epoch(page):
     """Training's bars clear themselves when an epoch ends (the live bar is for the one
     watching); the page keeps the one line that each epoch prints."""
@@ -178,12 +179,14 @@ def test_the_page_keeps_at_most_one_progress_line_per_epoch(page):
     assert len(bars) <= 2, f"progress bars left on the page: {bars[:3]}"
 
 
+@pytest.mark.slow
 def test_the_smoke_run_leaves_the_data_folder_alone(page):
     """The tests' notebook run keeps its caches and checkpoints under build/smoke/, so a
     contributor's data/ (and the models in it) is never read or changed by `make test`."""
     assert files_under(ROOT / "data") == DATA_AT_START
 
 
+@pytest.mark.slow
 def test_no_output_holds_a_traceback(page):
     """IPython shows a chart that fails to render as a traceback, not as an error."""
     notebook, _, _ = page
@@ -191,6 +194,7 @@ def test_no_output_holds_a_traceback(page):
     assert [t for t in texts if "Traceback" in t] == []
 
 
+@pytest.mark.slow
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
@@ -207,6 +211,7 @@ def explorers(notebook) -> list[dict]:
     return [s for s in specs if {p["name"] for p in s.get("params", [])} == {"layer", "head"}]
 
 
+@pytest.mark.slow
 def test_explorers_bind_layer_and_head_menus_and_show_the_words(page):
     notebook, _, _ = page
     charts = explorers(notebook)
@@ -218,6 +223,7 @@ def test_explorers_bind_layer_and_head_menus_and_show_the_words(page):
         assert fields == {"query", "key", "weight"}
 
 
+@pytest.mark.slow  # and drives Chromium
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
 def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
     _, html, charts = page
@@ -264,6 +270,7 @@ def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
     assert screenshot.stat().st_size > 20_000  # a blank page compresses to under 10 kB
 
 
+@pytest.mark.slow  # and drives Chromium
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
 def test_explorer_menus_redraw_the_chart_offline(page):
     """In the exported page, with the network cut, choosing another head redraws the

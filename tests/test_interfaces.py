@@ -1,15 +1,13 @@
-"""Explicit interfaces: a setting outside its values is refused, knobs travel as small
-typed records, and a run's folder is named by what shapes its training."""
+"""Explicit interfaces: a setting outside its values is refused, and knobs travel as small
+typed records. (A run's folder, named by what shapes its training: test_runs.py.)"""
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
 from torch import nn
 
 import annotated_transformer as at
-import trainer
 
 
 @pytest.mark.parametrize(
@@ -107,41 +105,3 @@ def test_greedy_and_beam_search_take_the_same_special_ids():
         for row in out.tolist():
             if ids.end in row:
                 assert all(w == ids.pad for w in row[row.index(ids.end) + 1 :])
-
-
-def test_a_runs_folder_is_named_by_its_preset_and_what_shapes_its_training(tmp_path):
-    """data/checkpoints/<preset>-<8 hex digits>: a setting that changes training, or an
-    edited lesson function (even one that training reaches only through another), trains
-    into a new folder; decoding and checkpointing settings find the same run."""
-    lesson = trainer.Lesson.of(at)
-    folder = trainer.run_dir(at.SMOKE, lesson, tmp_path)
-    assert folder.parent == tmp_path / "checkpoints"
-    name, _, key = folder.name.rpartition("-")
-    assert name == "smoke" and len(key) == 8 and int(key, 16) >= 0
-    assert trainer.run_dir(at.SMOKE, trainer.Lesson.of(vars(at)), tmp_path) == folder
-    same = {"beam_size": 9, "length_penalty": 0.1, "checkpoint_steps": 3}
-    assert trainer.run_dir(dataclasses.replace(at.SMOKE, **same), lesson, tmp_path) == folder
-    others = [
-        trainer.run_dir(dataclasses.replace(at.SMOKE, **{field: value}), lesson, tmp_path)
-        for field, value in [("epochs", 3), ("lr_factor", 0.5), ("seed", 1), ("dropout", 0.2)]
-    ]
-    assert len({folder, *others}) == 5
-    renamed = trainer.run_dir(dataclasses.replace(at.SMOKE, name="mine"), lesson, tmp_path)
-    assert renamed.name == f"mine-{key}"
-    # the lesson with tokens_per_step edited, as a student might edit its cell: only
-    # run_epoch calls it, and run_epoch itself is unchanged
-    namespace = dict(vars(at))
-    edited = inspect.getsource(at.tokens_per_step).replace("b.ntokens", "2 * b.ntokens")
-    exec(edited, namespace)  # defined as the notebook defines it, in its namespace
-    assert namespace["tokens_per_step"] is not at.tokens_per_step
-    assert trainer.run_dir(at.SMOKE, trainer.Lesson.of(namespace), tmp_path) != folder
-
-
-def test_a_lesson_missing_a_function_says_which_and_what_to_do():
-    namespace = dict(vars(at))
-    del namespace["run_epoch"], namespace["model_for"]
-    with pytest.raises(NameError) as error:
-        trainer.Lesson.of(namespace)
-    assert str(error.value) == (
-        "the notebook has no model_for, run_epoch: run the cells above this one first"
-    )

@@ -269,4 +269,6 @@ def test_dropout_sits_where_the_paper_puts_it():
     vocabs = {"de": at.Vocab([*at.SPECIALS, "x"]), "en": at.Vocab([*at.SPECIALS, "y"])}
     trained = at.model_for(settings, vocabs).encoder.layers[0]  # what the presets train
     assert trained.attn_sublayer.dropout.p == 0.3 and trained.self_attn.dropout.p == 0.0
-    assert trained.self_attn.use_sdpa  # the fused kernel, the same function (tests above)
+    assert not trained.self_attn.use_sdpa  # the lesson's own attention() trains
+    fused = at.model_for(settings, vocabs, fused_attention=True).encoder.layers[0]
+    assert fused.self_attn.use_sdpa  # the fused kernel only when asked

@@ -288,9 +288,11 @@ def test_the_notebook_and_its_twin_train_in_the_same_folder():
         for cell in jupytext.read(NOTEBOOK).cells:
             if cell.cell_type == "code" and cell.metadata.get("active") != "ipynb":
                 assert shell.run_cell(cell.source, silent=True).success, cell.source[:60]
-        notebook = trainer.Lesson.of(shell.user_ns)
-        assert notebook.code == trainer.Lesson.of(annotated_transformer).code
+        notebook = trainer.lesson_code(shell.user_ns)
+        assert "attention" in notebook and "train" in notebook
+        assert notebook == trainer.lesson_code(vars(annotated_transformer))
         shell.run_cell("def attention(*, query, key, value, mask=None, dropout=None): pass")
-        assert trainer.Lesson.of(shell.user_ns).code != notebook.code  # an edit counts
+        edited = trainer.lesson_code(shell.user_ns)  # an edit counts, and only the edit
+        assert [name for name in notebook if edited[name] != notebook[name]] == ["attention"]
     finally:
         InteractiveShell.clear_instance()

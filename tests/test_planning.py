@@ -1,54 +1,44 @@
-"""The run planned to the clock: measuring, planning, re-planning, precision."""
+"""The run planned to the clock: timing the first steps, planning, re-planning, and a
+linear schedule that follows the plan to zero.
+
+The clock is fake everywhere: trainer's `time` module is replaced by one whose
+perf_counter moves only when a test moves it, so no assert hangs on this machine's speed.
+"""
 
 import dataclasses
-import json
-import math
 import time
+from types import SimpleNamespace
 
 import pytest
-import torch
-from conftest import prepared_data
+from conftest import CPU, quick_settings, train_as_the_notebook
+from torch import nn
 
 import annotated_transformer as at
 import trainer
+from plumbing import read_checkpoint
 
-# the smoke preset shrunk: one quick epoch is a few batches of 200 pairs
-SMALL = dataclasses.replace(
-    at.SMOKE,
-    name="planning",
-    d_model=16,
-    d_ff=32,
-    train_pairs=200,
-    eval_pairs=20,
-    batch_tokens=400,
-    warmup=4,
-    average_last=1,
-)
-CPU = torch.device("cpu")
-LESSON = trainer.Lesson.of(at)
+# a planned run of a minute; its model never runs here, so its size does not matter
+PLANNED = at.Settings(name="planning", train_minutes=1.0, checkpoint_steps=0, accum_iter=1)
+
+
+class Clock:
+    """trainer's `time` module with a perf_counter that moves only when told to."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
 @pytest.fixture
-def data(tmp_path, monkeypatch):
-    return prepared_data(SMALL, tmp_path, monkeypatch)
-
-
-def new_run(settings, data, data_dir) -> trainer.Run:
-    return trainer.new_run(LESSON, settings, data, data_dir, CPU, show=False)
-
-
-def make_plan(settings, data, data_dir):
-    """plan_run on the CPU with a fresh probe, as a new run makes its plan."""
-    return trainer.plan_run(new_run(settings, data, data_dir), at.model_for(settings, data.vocabs))
-
-
-def fake_speed(tokens_per_second: float, validation_seconds: float):
-    """measure_speed as a fake clock would report it; the real one times real batches."""
-
-    def measure(*args, **kwargs):
-        return {"tokens_per_second": tokens_per_second, "validation_seconds": validation_seconds}
-
-    return measure
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(trainer, "time", clock)
+    return clock
 
 
 def refuse(what: str):
@@ -58,194 +48,243 @@ def refuse(what: str):
     return refused
 
 
-def test_measure_speed_times_real_training_steps_and_a_validation_pass(data, tmp_path):
-    model = at.model_for(SMALL, data.vocabs)
-    before = [p.detach().clone() for p in model.parameters()]
-    speed = trainer.measure_speed(new_run(SMALL, data, tmp_path), model, steps=2)
-    assert speed["tokens_per_second"] > 0 and speed["validation_seconds"] > 0
-    # it trained the throwaway model it was given: the weights moved
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+def new_run(settings, folder) -> trainer.Run:
+    """A new run as the notebook's `train` starts it (float32: nothing to measure)."""
+    return trainer.start(settings, folder, nn.Linear(1, 1), batch=None)
 
 
-def test_the_plan_fits_the_epochs_to_the_minutes(data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trainer, "measure_speed", fake_speed(100.0, 2.0))
-    settings = dataclasses.replace(SMALL, train_minutes=1.0, average_last=2, precision="fp32")
-    epoch_tokens = sum(len(tgt) - 1 for _, tgt in data.train)
-    epoch_seconds = epoch_tokens / 100.0 + 2.0
-    plan = make_plan(settings, data, tmp_path)
-    assert plan["epochs"] == max(1, int((60.0 - 2.0) // epoch_seconds))
-    assert plan["epochs"] * epoch_seconds + 2.0 <= 60.0 or plan["epochs"] == 1
-    fitted = dataclasses.replace(settings, epochs=plan["epochs"])
-    assert plan["steps"] == trainer.planned_steps(LESSON, fitted, data.train)
-    assert "ending about" in capsys.readouterr().out
+def first_epoch(run, clock, *, steps=50, seconds=0.125, first_seconds=None, tokens=100):
+    """The loop's calls on `run` over an epoch of `steps` optimizer steps of `tokens` real
+    target tokens each, the clock moving `seconds` a step (`first_seconds` for the first
+    two, which warm up). Returns the plan as it was after each step."""
+    state = at.TrainState()
+    run.objects = (None, None, None, state)  # the loop's model, optimizer, schedule, state
+    accum = run.settings.accum_iter
+    run.unfinished([SimpleNamespace(ntokens=tokens // accum)] * (steps * accum))
+    plans = []
+    for step in range(1, steps + 1):
+        clock.now += first_seconds if first_seconds and step <= 2 else seconds
+        state.step = step
+        run.step_done(step * accum, 2.0 * step * tokens, step * tokens)
+        plans.append(run.plan)
+    return plans
 
 
-def test_a_faster_machine_plans_more_epochs(data, tmp_path, monkeypatch):
-    settings = dataclasses.replace(SMALL, train_minutes=2.0, precision="fp32")
-    epochs = []
-    for speed in (50.0, 100.0, 400.0):
-        monkeypatch.setattr(trainer, "measure_speed", fake_speed(speed, 1.0))
-        epochs.append(make_plan(settings, data, tmp_path)["epochs"])
-    assert epochs == sorted(epochs) and epochs[0] < epochs[-1]
+# --- the plan: timed steps, then as many epochs as fit ----------------------------------
 
 
-def test_a_machine_too_slow_for_the_budget_is_told_so_in_one_line(
-    data, tmp_path, monkeypatch, capsys
+def test_a_planned_run_times_steps_3_to_23_then_fits_the_epochs_to_the_minutes(
+    clock, tmp_path, capsys
 ):
-    monkeypatch.setattr(trainer, "measure_speed", fake_speed(1.0, 1.0))
-    settings = dataclasses.replace(SMALL, train_minutes=1.0, precision="fp32")
-    plan = make_plan(settings, data, tmp_path)
-    assert plan["epochs"] == 1
+    run = new_run(PLANNED, tmp_path)
+    assert run.plan.train_minutes == 1.0 and not run.plan.made
+    # steps 1 and 2 are slow, as a first step is; steps 3 to 23 take 0.125 s for 100 tokens
+    plans = first_epoch(run, clock, steps=50, first_seconds=10.0)
+    assert not plans[21].made and plans[22].made and plans[-1] == plans[22]  # after step 23
+    plan = run.plan
+    assert plan.tokens_per_second == 2000 / 2.5  # 20 steps: the slow ones left out
+    assert plan.epoch_seconds == 5000 / plan.tokens_per_second == 6.25  # training only
+    assert plan.epochs == 9  # 9 epochs of 6.25 s fit in 60 s; 10 would not
+    assert plan.epoch_steps == 50 and plan.steps == 450 == run.planned_steps()
+    assert plan.precision == "fp32"
+    out = capsys.readouterr().out
+    assert "steps 3 to 23: 800 target tokens/s" in out
+    assert "plan: epochs take 6 s here, so 9 epochs in all, 450 steps, ending about" in out
+    assert "warning" not in out
+
+
+def test_a_first_epoch_shorter_than_the_timed_steps_plans_at_its_end(clock, tmp_path):
+    run = new_run(PLANNED, tmp_path)
+    plans = first_epoch(run, clock, steps=12, first_seconds=10.0)
+    assert not plans[-2].made and plans[-1].made  # planned from steps 3 to 12
+    assert run.plan.tokens_per_second == 900 / 1.125
+    assert run.plan.epochs == 40 and run.plan.steps == 40 * 12  # epochs of 1.5 s
+
+
+def test_a_faster_machine_plans_more_epochs(clock, tmp_path):
+    epochs = []
+    for seconds in (0.5, 0.125, 0.03125):
+        run = new_run(PLANNED, tmp_path)
+        first_epoch(run, clock, seconds=seconds)
+        epochs.append(run.plan.epochs)
+    assert epochs == [2, 9, 38]
+
+
+@pytest.mark.parametrize("seconds, epochs", [(2.0, 1), (0.5, 2)])
+def test_a_machine_too_slow_for_the_budget_is_told_so_in_one_line(
+    clock, tmp_path, capsys, seconds, epochs
+):
+    run = new_run(PLANNED, tmp_path)
+    first_epoch(run, clock, seconds=seconds)  # epochs of 100 s, then of 25 s
+    assert run.plan.epochs == epochs  # at least one epoch, even over the budget
     warning = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
-    assert len(warning) == 1 and "1 epoch(s) fit in 1 minutes" in warning[0]
+    assert warning == [
+        f"warning: only {epochs} epoch(s) fit in 1 minutes here; "
+        "raise train_minutes, or expect a weak translator"
+    ]
 
 
-def test_a_fixed_run_measures_nothing(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "measure_speed", refuse("measuring a run of fixed epochs"))
-    plan = make_plan(SMALL, data, tmp_path)
-    steps = trainer.planned_steps(LESSON, SMALL, data.train)
-    assert plan == {"epochs": SMALL.epochs, "steps": steps, "precision": "fp32"}
+def test_a_fixed_run_measures_nothing(clock, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trainer.Run, "plan_from_first_steps", refuse("timing a fixed run"))
+    fixed = dataclasses.replace(PLANNED, train_minutes=None, epochs=4)
+    run = new_run(fixed, tmp_path)
+    first_epoch(run, clock)
+    assert run.plan == trainer.Plan(epochs=4, precision="fp32", epoch_steps=50)
+    run.history.append({"seconds": 500.0, "validation_seconds": 1.0})
+    run.replan()  # a fixed run ignores the clock
+    assert run.plan == trainer.Plan(epochs=4, precision="fp32", epoch_steps=50)
+    assert capsys.readouterr().out == ""
 
 
-# --- re-planning after each epoch ------------------------------------------------------
+def test_a_planned_run_on_several_processes_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="set epochs to train on several"):
+        trainer.start(PLANNED, tmp_path, nn.Linear(1, 1), batch=None, world_size=2)
 
 
-def schedule_at(settings, pairs, plan: dict, epochs_done: int):
-    """A planned run's schedule, stepped to the end of its first `epochs_done` epochs."""
-    model = at.make_model(8, 8, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
-    optimizer, schedule = at.make_optimizer(model, settings, total_steps=plan["steps"])
-    done = dataclasses.replace(settings, epochs=epochs_done)
-    for _ in range(trainer.planned_steps(LESSON, done, pairs)):
-        optimizer.step()  # no gradients: a no-op that keeps LambdaLR from warning
-        schedule.step()
-    return schedule
+def test_the_plans_steps_count_every_ranks_steps():
+    """With W ranks, each steps the schedule W times per optimizer step (ddp_epoch), so a
+    rank's plan counts W steps for each of its own."""
+    fixed = dataclasses.replace(PLANNED, train_minutes=None, accum_iter=2, epochs=3)
+    run = trainer.Run(fixed, "unused", trainer.Plan(3, "fp32"), rank=1, world_size=2)
+    run.unfinished([SimpleNamespace(ntokens=10)] * 5)  # this rank's share: 3 steps
+    assert run.plan.epoch_steps == 6 and run.planned_steps() == 18
+
+
+# --- re-planning after each epoch -------------------------------------------------------
+
+
+def run_after(epochs_done: int, epoch_seconds: float, settings=PLANNED) -> trainer.Run:
+    """A run planned to 6 epochs of 10 steps and 10 s, after `epochs_done` epochs that took
+    `epoch_seconds` each, 1 s of it validation."""
+    plan = trainer.Plan(6, "fp32", 10, train_minutes=1.0, epoch_seconds=10.0, made="then")
+    run = trainer.Run(settings, "unused", plan)
+    run.history = [{"seconds": epoch_seconds - 1.0, "validation_seconds": 1.0}] * epochs_done
+    return run
 
 
 @pytest.mark.parametrize(
     ("epoch_seconds", "epochs"),
     [
         (15.0, 4),  # 30 s spent, 30 left: two more epochs
-        (10.0, 6),  # as planned: the plan and the schedule stay
-        (5.0, 12),  # faster than the probe said: 50 s left, ten more
+        (10.0, 6),  # as planned: the plan stays
+        (5.0, 12),  # faster than the first steps said: 50 s left, ten more
         (25.0, 3),  # 10 s left: one more, so the rate still reaches zero
         (45.0, 3),  # already over the budget: one more all the same
     ],
 )
-def test_a_replan_fits_the_epochs_left_to_the_minutes_left(data, epoch_seconds, epochs):
-    settings = dataclasses.replace(SMALL, train_minutes=1.0, warmup=2, schedule="linear")
-    six = trainer.planned_steps(LESSON, dataclasses.replace(settings, epochs=6), data.train)
-    plan = {"epochs": 6, "steps": six, "warmup": 2, "validation_seconds": 1.0}
-    schedule = schedule_at(settings, data.train, plan, 2)
-    step, before = schedule.last_epoch, schedule.lr_lambdas[0]
-    rate = before(step)
-    history = [{"seconds": epoch_seconds - 1.0, "validation_seconds": 1.0}] * 2  # a fake clock
-    new = trainer.replan(plan, settings, history, schedule, LESSON, data.train)
-    assert new["epochs"] == epochs
-    if epochs == plan["epochs"]:
-        assert new is plan and schedule.lr_lambdas[0] is before
+def test_a_replan_fits_the_epochs_left_to_the_minutes_left(capsys, epoch_seconds, epochs):
+    run = run_after(2, epoch_seconds)
+    run.replan()
+    assert run.plan.epochs == epochs and run.plan.steps == 10 * epochs
+    assert run.plan.epoch_seconds == epoch_seconds  # measured, validation included
+    out = capsys.readouterr().out
+    if epochs == 6:
+        assert run.plan.replans == () and out == ""
         return
-    fitted = dataclasses.replace(settings, epochs=epochs)
-    steps = trainer.planned_steps(LESSON, fitted, data.train)
-    assert new["steps"] == steps and new["replans"][-1]["after_epoch"] == 1
-    assert new["decay"] == {"from_step": step, "from_rate": rate, "to_step": steps}
-    # the rate goes on from where it was, in a straight line to zero at the new end
-    after = schedule.lr_lambdas[0]
-    assert after(step) == rate and after(steps) == 0.0 and after(steps + 5) == 0.0
-    middle = (step + steps) / 2
-    assert math.isclose(after(middle), rate / 2)
+    assert run.plan.replans == (
+        {"after_epoch": 1, "epoch_seconds": epoch_seconds, "was": 6, "epochs": epochs,
+         "steps": 10 * epochs},
+    )  # fmt: skip
+    assert f"re-plan (was 6 epochs): epochs take {epoch_seconds:.0f} s here, so {epochs}" in out
 
 
-def test_a_run_still_warming_up_or_at_its_end_keeps_its_plan(data):
-    settings = dataclasses.replace(SMALL, train_minutes=1.0, warmup=2, schedule="linear")
-    steps = trainer.planned_steps(LESSON, dataclasses.replace(settings, epochs=3), data.train)
-    history = [{"seconds": 50.0, "validation_seconds": 1.0}]
-    warming = {"epochs": 3, "steps": steps, "warmup": steps, "validation_seconds": 1.0}
-    schedule = schedule_at(settings, data.train, warming, 1)
-    assert trainer.replan(warming, settings, history, schedule, LESSON, data.train) is warming
-    ending = warming | {"warmup": 2}
-    schedule = schedule_at(settings, data.train, ending, 3)
-    assert trainer.replan(ending, settings, history * 3, schedule, LESSON, data.train) is ending
+def test_a_replan_keeps_time_to_score_the_averaged_model():
+    """A run that averages its last epochs validates once more at its end."""
+    averaging = dataclasses.replace(PLANNED, average_last=2)
+    run = run_after(2, 10.0, averaging)  # 20 s spent, 1 s kept: 39 s fit 3 more, not 4
+    run.replan()
+    assert run.plan.epochs == 5
+
+
+def test_a_run_at_its_planned_end_is_not_extended():
+    run = run_after(6, 1.0)  # fast epochs: 54 s left, but the run has ended
+    run.replan()
+    assert run.plan.epochs == 6 and run.plan.replans == ()
+
+
+def test_a_replan_moves_the_schedules_end_without_replacing_it():
+    """make_optimizer reads the run's planned steps at every step, so a re-plan moves where
+    the linear rate reaches zero, in the same LambdaLR."""
+    settings = dataclasses.replace(PLANNED, d_model=16, warmup=4, schedule="linear")
+    run = run_after(2, 15.0, settings)
+    optimizer, schedule = at.make_optimizer(
+        nn.Linear(2, 2), settings, total_steps=run.planned_steps
+    )
+    for _ in range(20):  # the two epochs done
+        optimizer.step()  # no gradients: a no-op that keeps LambdaLR from warning
+        schedule.step()
+    rate_at, sizes = schedule.lr_lambdas[0], {"d_model": 16, "warmup": 4}
+    assert rate_at(20) == at.linear_rate(21, total=60, **sizes)  # 6 epochs: 60 steps
+    run.replan()  # 4 epochs now
+    assert schedule.lr_lambdas[0] is rate_at
+    assert rate_at(20) == at.linear_rate(21, total=40, **sizes) > 0
+    assert rate_at(39) > 0 and rate_at(40) == 0.0  # the last planned step learns; after, none
 
 
 # --- the whole planned path, as `make run` takes it ---------------------------------------
 
 
-class Clock:
-    """trainer's `time` module, with a perf_counter that runs at the real speed until
-    `slow_down()`, then a thousand times slow, so that every later epoch overruns."""
+def ticking(clock: Clock, seconds_per_token: float, validation_seconds: float, rates: list):
+    """The lesson's run_epoch and evaluate on the fake clock: training moves it by the
+    step's real target tokens, validation by `validation_seconds`. Each rate that the
+    schedule sets for the step to come is recorded."""
+    real_epoch, real_evaluate = at.run_epoch, at.evaluate
 
-    def __init__(self):
-        self.speed, self.real_start = 1.0, time.perf_counter()
-        self.start = self.real_start
+    def run_epoch(batches, model, criterion, optimizer, schedule, *, on_step, **options):
+        counted = [0]
 
-    def __getattr__(self, name):
-        return getattr(time, name)
+        def step_done(done, loss, tokens):
+            clock.now += seconds_per_token * (tokens - counted[0])
+            counted[0] = tokens
+            rates.append(schedule.get_last_lr()[0])
+            on_step(done, loss, tokens)
 
-    def perf_counter(self) -> float:
-        return self.start + self.speed * (time.perf_counter() - self.real_start)
+        return real_epoch(batches, model, criterion, optimizer, schedule, on_step=step_done,
+                          **options)  # fmt: skip
 
-    def slow_down(self) -> None:
-        self.start, self.real_start = self.perf_counter(), time.perf_counter()
-        self.speed = 1000.0
+    def evaluate(*args, **kwargs):
+        clock.now += validation_seconds
+        return real_evaluate(*args, **kwargs)
 
-
-def recording_rates(lesson, rates: list):
-    """`lesson` with a run_epoch that records the learning rate after every training step."""
-
-    def run_epoch(*args, on_step=None, **kwargs):
-        schedule = args[4]
-
-        def step_and_record(*step):
-            rates.append(schedule.get_last_lr()[0])  # the rate of the step to come
-            on_step(*step)
-
-        return lesson.run_epoch(*args, on_step=on_step and step_and_record, **kwargs)
-
-    return dataclasses.replace(lesson, run_epoch=run_epoch)
+    return run_epoch, evaluate
 
 
-def test_a_planned_run_measures_plans_replans_and_ends_its_rate_at_zero(
-    data, tmp_path, monkeypatch, capsys
+@pytest.mark.slow
+def test_a_planned_run_plans_replans_and_ends_its_rate_at_zero(
+    quick_data, tmp_path, clock, monkeypatch, capsys
 ):
-    """The real path of a `train_minutes` run: choose_precision times bf16 against
-    float32 on this CPU with the real model, plan_run times real training steps and a
-    validation pass, and after the first epoch past the warm-up the run re-plans (a
-    clock made slow once the plan is made says that every epoch overran). The rate
-    falls to zero exactly at the last planned step; a resumed run keeps the plan."""
-    settings = dataclasses.replace(SMALL, train_minutes=0.1, precision="auto", warmup=2)
-    clock, plan_run = Clock(), trainer.plan_run
-
-    def plan_then_slow_down(*args):
-        plan = plan_run(*args)
-        clock.slow_down()
-        return plan
-
-    monkeypatch.setattr(trainer, "time", clock)
-    monkeypatch.setattr(trainer, "plan_run", plan_then_slow_down)
+    """The notebook's `train` with `train_minutes`, on a clock where an epoch trains in
+    10 s and validates in 10 s: its first steps plan 4 epochs in 45 s (training only),
+    the first epoch's 20 s re-plan the run to 2, and the rate reaches zero at the last
+    step of the second. A run started again finds the plan it ended with."""
+    settings = dataclasses.replace(quick_settings(), train_minutes=0.75, epochs=10)
+    en = quick_data.vocabs["en"]
+    batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU)
+    epoch_steps = len(batches) // settings.accum_iter
+    assert len(batches) % settings.accum_iter == 0 and epoch_steps > trainer.TIMED_STEPS[0]
     rates = []
-    lesson = recording_rates(LESSON, rates)
-    trained = trainer.load_or_train(lesson, settings, data, tmp_path, device=CPU, show=False)
+    run_epoch, evaluate = ticking(clock, 10.0 / sum(b.ntokens for b in batches), 10.0, rates)
+    monkeypatch.setattr(at, "run_epoch", run_epoch)
+    monkeypatch.setattr(at, "evaluate", evaluate)
+
+    _, history, folder = train_as_the_notebook(settings, quick_data, tmp_path)
     out = capsys.readouterr().out
-    assert "one validation batch, forward and backward:" in out  # choose_precision measured
-    assert "plan:" in out and "re-plan:" in out
-
-    plan = trained.history[-1]["plan"]
-    assert plan["tokens_per_second"] > 0 and plan["validation_seconds"] > 0  # measured
-    assert plan["precision"] in ("bf16", "fp32") and plan["made"]
-    (change,) = plan["replans"]  # after the first epoch past the warm-up: one more
-    assert change["after_epoch"] == 0 and change["was"] > plan["epochs"] == 2
-    assert len(trained.history) == plan["epochs"]
-    fitted = dataclasses.replace(settings, epochs=plan["epochs"])
-    assert plan["steps"] == trainer.planned_steps(LESSON, fitted, data.train)
-    assert plan["decay"]["to_step"] == plan["steps"]
-    # the rate after each step: positive to the last planned step, zero after it
+    assert "plan: epochs take 10 s here, so 4 epochs in all" in out
+    assert "re-plan (was 4 epochs): epochs take 20 s here, so 2 epochs in all" in out
+    plan = history[-1]["plan"]
+    assert plan["epochs"] == len(history) == 2 and plan["made"]
+    assert plan["steps"] == 2 * epoch_steps and plan["epoch_steps"] == epoch_steps
+    (change,) = plan["replans"]
+    assert change["after_epoch"] == 0 and (change["was"], change["epochs"]) == (4, 2)
+    assert plan["tokens_per_second"] == pytest.approx(sum(b.ntokens for b in batches) / 10.0)
+    # the rate set after each step: positive to the last planned step, zero after it
     assert len(rates) == plan["steps"] and rates[-1] == 0.0 and min(rates[:-1]) > 0
-    last = trainer.read_checkpoint(trained.folder / "last.pt")
+    last = read_checkpoint(folder / "last.pt")
     assert last["state"]["step"] == plan["steps"] and last["schedule"]["_last_lr"] == [0.0]
-    assert json.loads((trained.folder / "plan.json").read_text()) == plan
 
-    # resumed (on a machine of another speed, say): no measuring, the plan it ended with
-    monkeypatch.setattr(trainer, "measure_speed", refuse("measuring a resumed run"))
-    monkeypatch.setattr(trainer, "bf16_pays_off", refuse("timing a resumed run's precision"))
-    again = trainer.train_model(new_run(settings, data, tmp_path))
-    assert again.plan == plan and again.precision == plan["precision"]
+    # started again (on a machine of another speed, say): the plan it ended with, done
+    again = trainer.start(settings, folder, nn.Linear(1, 1), batch=None)
+    assert dataclasses.asdict(again.plan) == {
+        k: v for k, v in plan.items() if k not in ("steps", "warmup")
+    }
+    assert next(again.epochs(), None) is None

@@ -1,29 +1,21 @@
-"""One folder per run: what names it (the settings, the lesson's code), loading a finished
-run instead of training it again, and the record of a run."""
+"""One folder per run: named by everything that shapes the trained model, with a manifest
+that says what made it; an edit made as a student makes it reaches training; a finished
+run loads instead of training again; the record of a run."""
 
 import dataclasses
+import json
 import linecache
 
 import pytest
 import torch
-from conftest import ROOT, prepared_data
+from conftest import CPU, ROOT, quick_settings, train_as_the_notebook
 
 import annotated_transformer as at
 import trainer
 from plumbing import CheckpointError, read_checkpoint
 
-# the smoke preset, cut to one quick epoch on 200 pairs
-SETTINGS = dataclasses.replace(
-    at.SMOKE, train_pairs=200, eval_pairs=20, batch_tokens=400, epochs=1, warmup=2, average_last=1
-)
-CPU = torch.device("cpu")
-LESSON = trainer.Lesson.of(at)
+SETTINGS = quick_settings()
 SOURCE = (ROOT / "annotated_transformer.py").read_text(encoding="utf-8")
-
-
-@pytest.fixture
-def data(tmp_path, monkeypatch):
-    return prepared_data(SETTINGS, tmp_path, monkeypatch)
 
 
 def weights(model) -> dict:
@@ -37,117 +29,164 @@ def same_weights(a, b) -> bool:
 
 def run_cell(source: str, namespace: dict, filename: str, monkeypatch) -> dict:
     """Run `source` into `namespace` as a kernel runs a cell: with its text in linecache,
-    where inspect (and so the lesson's code fingerprint) finds it."""
+    where inspect (and so the run's folder) finds it."""
     lines = source.splitlines(keepends=True)
     monkeypatch.setitem(linecache.cache, filename, (len(source), None, lines, filename))
     exec(compile(source, filename, "exec"), namespace)
     return namespace
 
 
-def lesson_copy(monkeypatch, namespace: dict | None = None, source: str = SOURCE) -> dict:
-    """The twin's cells run afresh into a namespace of their own."""
-    namespace = {"__name__": "lesson_copy"} if namespace is None else namespace
-    return run_cell(source, namespace, "annotated_transformer.py", monkeypatch)
+def lesson_copy(monkeypatch, source: str = SOURCE) -> dict:
+    """The twin's cells run afresh into a namespace of their own, as a kernel holds them."""
+    return run_cell(source, {"__name__": "__main__"}, "annotated_transformer.py", monkeypatch)
 
 
-# the edit: a cell that redefines attention() to count its calls, in training and not
+def edited(monkeypatch, old: str, new: str) -> dict:
+    """A kernel's namespace after a student's edit of one line of a lesson cell."""
+    assert SOURCE.count(old) == 1, old
+    return lesson_copy(monkeypatch, SOURCE.replace(old, new))
+
+
+# the edit: a cell that redefines attention() to count its calls and halve its queries
 COUNTING_ATTENTION = """
 unedited_attention = attention
 attention_calls = {"training": 0, "other": 0}
 
 
-def attention(**kwargs):
+def attention(*, query, key, value, mask=None, dropout=None):
     attention_calls["training" if torch.is_grad_enabled() else "other"] += 1
-    return unedited_attention(**kwargs)
+    return unedited_attention(query=0.5 * query, key=key, value=value, mask=mask, dropout=dropout)
 """
 
 
-def test_a_lesson_function_edited_in_the_notebook_is_the_one_that_trains(
-    data, tmp_path, monkeypatch
-):
-    # bf16 autocast on a CPU: the model calls the lesson's attention(), not PyTorch's kernel
-    settings = dataclasses.replace(SETTINGS, precision="bf16")
-    unedited = trainer.Lesson.of(lesson_copy(monkeypatch))
-    assert unedited.model_for.__module__ == "lesson_copy"  # the copy's own functions
-    assert trainer.Lesson.of(lesson_copy(monkeypatch)).code == unedited.code  # same code, key
-    namespace = lesson_copy(monkeypatch)
-    run_cell(COUNTING_ATTENTION, namespace, "edited_cell.py", monkeypatch)  # the edited cell
-    edited = trainer.Lesson.of(namespace)
-
-    trained = trainer.load_or_train(edited, settings, data, tmp_path, device=CPU, show=False)
+def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkeypatch):
+    model, _, folder = train_as_the_notebook(
+        SETTINGS, quick_data, tmp_path, lesson_copy(monkeypatch)
+    )
+    namespace = run_cell(COUNTING_ATTENTION, lesson_copy(monkeypatch), "cell.py", monkeypatch)
+    edited_model, _, edited_folder = train_as_the_notebook(
+        SETTINGS, quick_data, tmp_path, namespace
+    )
     calls = namespace["attention_calls"]
     assert calls["training"] > 0 and calls["other"] > 0  # training and validation used it
-    assert trained.folder == trainer.run_dir(settings, edited, tmp_path)
-    assert trained.folder != trainer.run_dir(settings, unedited, tmp_path)  # a new run
+    assert edited_folder != folder and not same_weights(model, edited_model)
+    manifest = json.loads((edited_folder / "manifest.json").read_text())
+    assert set(manifest) == {"preset", "settings", "data", "code", "trainer"}
+    assert "attention" in manifest["code"] and "run_epoch" in manifest["code"]
 
 
-def test_a_changed_comment_keeps_the_run_a_changed_line_of_code_does_not(monkeypatch):
-    unedited = trainer.Lesson.of(lesson_copy(monkeypatch)).code
-    body = "    d_k = query.size(-1)\n"
-    assert SOURCE.count(body) == 1  # in attention()
-    commented = SOURCE.replace(body, body + "    # a note of the student's\n")
-    assert trainer.Lesson.of(lesson_copy(monkeypatch, source=commented)).code == unedited
-    scaled = SOURCE.replace(body, "    d_k = 2 * query.size(-1)\n")
-    assert trainer.Lesson.of(lesson_copy(monkeypatch, source=scaled)).code != unedited
-
-
-def test_a_changed_setting_trains_a_new_model_beside_the_old_one(data, tmp_path, capsys):
-    first = trainer.load_or_train(LESSON, SETTINGS, data, tmp_path, device=CPU, show=False)
+def test_an_edit_says_what_changed_and_trains_beside_the_old_run(
+    quick_data, tmp_path, monkeypatch, capsys
+):
+    train_as_the_notebook(SETTINGS, quick_data, tmp_path, lesson_copy(monkeypatch))
     assert "training into" in capsys.readouterr().out
+    namespace = edited(monkeypatch, "    d_k = query.size(-1)\n", "    d_k = 2 * query.size(-1)\n")
+    _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path, namespace)
+    out = capsys.readouterr().out
+    assert f"trained before with other code for: attention; training anew into {folder}" in out
+    assert len(list((tmp_path / "checkpoints").glob("*/final.pt"))) == 2  # the old one kept
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # data preparation: one line of encode_pairs written another way
+        ("        pairs.append((src, tgt))\n", "        pairs += [(src, tgt)]\n"),
+        # Part 4: shares the batches out in another order
+        ("    return divisible_batches(batches, world_size)[rank::world_size]\n",
+         "    return list(reversed(divisible_batches(batches, world_size)))[rank::world_size]\n"),
+        # Part 4's epoch: its loop, one line
+        ("    device = batches[0].src.device\n", "    device = batches[-1].src.device\n"),
+        # the label smoothing that training uses
+        ("class FastLabelSmoothing(LabelSmoothing):",
+         "class FastLabelSmoothing(LabelSmoothing, object):"),
+    ],
+    ids=["encode_pairs", "shard_batches", "ddp_epoch", "FastLabelSmoothing"],
+)  # fmt: skip
+def test_an_edited_cell_of_any_part_names_a_new_folder(quick_data, tmp_path, monkeypatch, old, new):
+    unedited = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    changed = trainer.run_folder(SETTINGS, quick_data, edited(monkeypatch, old, new), tmp_path)
+    assert changed != unedited
+
+
+def test_data_that_changed_names_a_new_folder(quick_data, tmp_path):
+    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    fewer = dataclasses.replace(quick_data, train=quick_data.train[:-1])
+    assert trainer.run_folder(SETTINGS, fewer, vars(at), tmp_path) != folder
+
+
+def test_a_changed_comment_keeps_the_folder(quick_data, tmp_path, monkeypatch):
+    unedited = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    body = "    d_k = query.size(-1)\n"
+    commented = edited(monkeypatch, body, body + "    # a note of the student's\n")
+    assert trainer.run_folder(SETTINGS, quick_data, commented, tmp_path) == unedited
+    # the notebook's namespace and the imported twin name the same folder
+    assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) == unedited
+
+
+def test_a_definition_without_source_is_an_error_not_a_blank(quick_data, tmp_path):
+    namespace = dict(vars(at))
+    exec("def attention(**kwargs): pass", namespace)  # no file, no linecache entry
+    with pytest.raises(CheckpointError, match="cannot read the code of attention"):
+        trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path)
+
+
+def test_a_folder_is_named_by_its_preset_and_the_settings_that_shape_training(quick_data, tmp_path):
+    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    name, _, key = folder.name.rpartition("-")
+    assert folder.parent == tmp_path / "checkpoints" and name == "smoke" and len(key) == 8
+    same = {"beam_size": 9, "length_penalty": 0.1, "checkpoint_steps": 3}
+    assert (
+        trainer.run_folder(dataclasses.replace(SETTINGS, **same), quick_data, vars(at), tmp_path)
+        == folder
+    )
+    others = {
+        trainer.run_folder(
+            dataclasses.replace(SETTINGS, **{field: value}), quick_data, vars(at), tmp_path
+        )
+        for field, value in [("epochs", 3), ("lr_factor", 0.5), ("seed", 1), ("dropout", 0.2)]
+    }
+    assert len(others) == 4 and folder not in others
+
+
+def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
+    quick_data, tmp_path, capsys
+):
+    first, history, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
+    assert "training into" in capsys.readouterr().out
+    again, again_history, again_folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
+    out = capsys.readouterr().out
+    assert f"loaded {folder / 'final.pt'}" in out and "training" not in out
+    assert again_folder == folder and same_weights(again, first) and again_history == history
 
     changed = dataclasses.replace(SETTINGS, dropout=0.2, lr_factor=2.0)
-    second = trainer.load_or_train(LESSON, changed, data, tmp_path, device=CPU, show=False)
-    assert "training into" in capsys.readouterr().out
-    assert second.folder != first.folder and (first.folder / "final.pt").is_file()
-    assert not same_weights(first.model, second.model)
-
-    # unchanged, or changed only in what does not shape training: loaded, not trained
-    for same in (SETTINGS, dataclasses.replace(SETTINGS, beam_size=5, checkpoint_steps=7)):
-        again = trainer.load_or_train(LESSON, same, data, tmp_path, device=CPU, show=False)
-        out = capsys.readouterr().out
-        assert "loaded" in out and "training into" not in out
-        assert again.folder == first.folder and same_weights(again.model, first.model)
-        assert again.history == first.history
-
-    # a model of another shape: refused in one line that names the setting
-    final = first.folder / "final.pt"
-    flipped = dataclasses.replace(SETTINGS, pre_norm=not SETTINGS.pre_norm)
-    with pytest.raises(RuntimeError, match="state_dict"):  # what loading it blindly gives
-        at.model_for(flipped, data.vocabs).load_state_dict(read_checkpoint(final)["model"])
-    with pytest.raises(CheckpointError, match=r"other settings \(pre_norm\)") as refused:
-        trainer.load_checkpoint(final, flipped, data.vocabs)
-    assert "\n" not in str(refused.value) and "state_dict" not in str(refused.value)
+    second, _, second_folder = train_as_the_notebook(changed, quick_data, tmp_path)
+    out = capsys.readouterr().out
+    assert "other settings for: dropout, lr_factor; training anew" in out
+    assert second_folder != folder and (folder / "final.pt").is_file()
+    assert not same_weights(first, second)
 
 
-def test_the_record_pairs_the_runs_own_settings_with_its_history(data, tmp_path, monkeypatch):
-    """A planned run trains with the plan's epochs and fitted warm-up, but its folder and
-    its checkpoints are named by the settings as given: those are the ones the record
-    carries, beside the history, trained or loaded."""
-
-    def speed(*args, **kwargs):  # epochs of 1 s and a validation of 0.4 s: 2 fit in 3 s
-        epoch_tokens = sum(len(tgt) - 1 for _, tgt in data.train)
-        return {"tokens_per_second": epoch_tokens / 1.0, "validation_seconds": 0.4}
-
-    monkeypatch.setattr(trainer, "measure_speed", speed)
-    settings = dataclasses.replace(SETTINGS, train_minutes=0.05, warmup=8)
-    trained = trainer.load_or_train(LESSON, settings, data, tmp_path, device=CPU, show=False)
-    plan = trained.history[-1]["plan"]
-    assert plan["epochs"] == len(trained.history) == 2 != settings.epochs
-    assert plan["warmup"] < settings.warmup  # fitted to the run's 10 steps
-    loaded = trainer.load_or_train(LESSON, settings, data, tmp_path, device=CPU, show=False)
-    stored = read_checkpoint(trained.folder / "final.pt")
-    for run in (trained, loaded):
-        record = trainer.run_record(LESSON, run, {"test_bleu": 1.0}, CPU)
-        assert run.settings == settings and record["settings"] == dataclasses.asdict(settings)
-        assert trainer.run_dir(run.settings, LESSON, tmp_path) == run.folder
-        assert record["run_folder"] == str(trained.folder)
-        assert stored["settings"] == trainer.training_settings(run.settings)
-        assert record["history"] == stored["history"] == trained.history
-        assert record["epochs"] == 2 and record["plan"] == plan and record["test_bleu"] == 1.0
+def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        read_checkpoint(tmp_path / "final.pt")
+    assert "is missing" in str(error.value) and "damaged" not in str(error.value)
 
 
-def test_an_epoch_on_a_cpu_reports_no_gpu(data, tmp_path, capsys):
-    trainer.load_or_train(LESSON, SETTINGS, data, tmp_path, device=CPU, show=True)
+def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp_path):
+    model, history, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
+    loaded, loaded_history, _ = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
+    for m, h in ((model, history), (loaded, loaded_history)):
+        record = trainer.run_record(m, h, SETTINGS, folder, {"test_bleu": 1.0}, CPU)
+        assert record["settings"] == dataclasses.asdict(SETTINGS)
+        assert record["history"] == read_checkpoint(folder / "final.pt")["history"]
+        assert record["epochs"] == SETTINGS.epochs and record["test_bleu"] == 1.0
+        assert record["run_folder"] == str(folder) and record["plan"]["epochs"] == 1
+        assert record["parameters"] == at.count_parameters(m)
+
+
+def test_an_epoch_on_a_cpu_reports_no_gpu(quick_data, tmp_path, capsys):
+    train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     out = capsys.readouterr().out
     assert "epoch 0: train loss" in out  # the epoch's line is there
     assert "no NVIDIA GPU here" not in out and "memory used / total" not in out

@@ -9,23 +9,12 @@ from collections import Counter
 import pytest
 import subword_nmt.learn_bpe
 import torch
-from conftest import MIRROR, prepared_data
+from conftest import MIRROR, prepared_data, quick_settings
 
 import annotated_transformer as at
 
-# the smoke preset shrunk, with a joint sub-word vocabulary of 300 merges
-SMALL = dataclasses.replace(
-    at.SMOKE,
-    name="small-bpe",
-    d_model=16,
-    d_ff=32,
-    train_pairs=200,
-    eval_pairs=20,
-    batch_tokens=400,
-    warmup=4,
-    average_last=1,
-    bpe_merges=300,
-)
+# the quick preset narrowed, with a joint sub-word vocabulary of 300 merges
+SMALL = dataclasses.replace(quick_settings(), name="small-bpe", d_model=16, d_ff=32, bpe_merges=300)
 
 
 @pytest.fixture

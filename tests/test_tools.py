@@ -1,7 +1,6 @@
 """The tools around the notebook: tools/tune.py's command line, and the rule of the test
 suite (tests/conftest.py) that CI may not skip a test for a missing prerequisite."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -54,12 +53,6 @@ def test_tune_rejects_a_bad_change_in_one_line(text, message):
     assert str(error.value).startswith(f"tune: {message}") and "\n" not in str(error.value)
 
 
-def test_tunes_changes_make_a_valid_settings():
-    changes = dict(tune.parse_change(c) for c in ["train_pairs=5000", "clip_norm=none"])
-    settings = dataclasses.replace(tune.at.get_settings("cpu"), **changes)
-    assert settings.train_pairs == 5000 and settings.clip_norm is None
-
-
 SKIPPING = """
 import pytest
 
@@ -82,6 +75,7 @@ def test_fine():
 """
 
 
+@pytest.mark.slow  # starts pytest in a process of its own
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_ci_turns_a_skip_for_a_missing_prerequisite_into_a_failure(tmp_path, ci):
     """Run pytest on five small tests with our conftest as a plugin, with and without CI."""

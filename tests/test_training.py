@@ -1,4 +1,4 @@
-"""Training machinery: batches, the loss, the schedule, run_epoch and greedy decoding."""
+"""Training machinery: batches, the loss, the schedule and run_epoch."""
 
 import contextlib
 import copy
@@ -13,7 +13,6 @@ from torch import nn
 import annotated_transformer as at
 
 PAD, START, END, V = 0, 1, 2, 11
-IDS = at.SpecialIds(start=START, end=END, pad=PAD)
 TINY = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
 
 
@@ -115,6 +114,22 @@ def test_label_smoothing_is_finite_for_very_confident_logits():
     logits[2] = torch.tensor([0.0, -1e30, 1e30, 0.0, 0.0])  # as confident as floats allow
     loss = criterion(F.log_softmax(logits, dim=-1), torch.tensor([2, 2, 2]))
     assert torch.isfinite(loss) and loss > 1e3
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+def test_fast_label_smoothing_equals_the_kl_version(eps):
+    """The closed form gives the same loss and the same gradient as KLDivLoss."""
+    logits = torch.randn(12, V, requires_grad=True)
+    target = torch.randint(0, V, (12,))
+    target[::4] = PAD
+    grads = []
+    for criterion in (at.LabelSmoothing(V, PAD, eps), at.FastLabelSmoothing(V, PAD, eps)):
+        loss = criterion(F.log_softmax(logits, dim=-1), target)
+        (grad,) = torch.autograd.grad(loss, logits)
+        grads.append((loss.detach(), grad))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
 
 
 # --- learning-rate schedule and optimizer ----------------------------------------------
@@ -396,122 +411,6 @@ def test_evaluation_changes_nothing_and_keeps_no_graph():
     assert_same_parameters(model, before, atol=0.0)
     again = at.evaluate(batches, model, at.LabelSmoothing(V, PAD, 0.1))
     assert again == loss, "eval mode: dropout is off, so the loss is deterministic"
-
-
-# --- greedy decoding --------------------------------------------------------------------
-
-
-class ScriptedGenerator(nn.Module):
-    """Stands in for model.generator: at call t, row b predicts script[b][t]."""
-
-    def __init__(self, script):
-        super().__init__()
-        self.script, self.calls = torch.tensor(script), 0
-
-    def forward(self, x):
-        words = self.script[:, self.calls]
-        self.calls += 1
-        return F.log_softmax(F.one_hot(words, V).float() * 10, dim=-1)
-
-
-def source():
-    src = torch.tensor([[START, 5, 6, END], [START, 7, END, PAD], [START, 8, 9, END]])
-    return src, (src != PAD).unsqueeze(-2)
-
-
-def test_greedy_decode_shape_and_start_symbol():
-    """An untrained model: (B, <= max_output_len) ids that start with <s>."""
-    src, src_mask = source()
-    ys = at.greedy_decode(tiny_model(), src, src_mask, max_output_len=6, ids=IDS)
-    assert ys.dtype == torch.long and ys.size(0) == 3 and 2 <= ys.size(1) <= 6
-    assert (ys[:, 0] == START).all()
-
-
-def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
-    """A finished sentence gets padding; decoding ends once every sentence has </s>."""
-    model = tiny_model()
-    model.generator = ScriptedGenerator(
-        [
-            [5, END, 6, 7, 8, 9, 10],  # ends at step 2, then would go on talking
-            [5, 6, 7, END, 8, 9, 10],  # ends at step 4
-            [END, 3, 4, 5, 6, 7, 8],  # ends at once
-        ]
-    )
-    src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_output_len=8, ids=IDS)
-    assert ys.tolist() == [
-        [START, 5, END, PAD, PAD],
-        [START, 5, 6, 7, END],
-        [START, END, PAD, PAD, PAD],
-    ]
-    assert model.generator.calls == 4, "no step after the last sentence finished"
-
-
-def test_greedy_decode_stops_after_one_step_when_end_always_wins():
-    """With a generator that always prefers </s>, the output is just <s> </s>."""
-    model = tiny_model(tie_output=False)
-    with torch.no_grad():
-        model.generator.proj.weight.zero_()
-        model.generator.proj.bias.zero_()
-        model.generator.proj.bias[END] = 100.0
-    src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_output_len=10, ids=IDS)
-    assert ys.tolist() == [[START, END]] * 3
-
-
-def test_greedy_decode_respects_max_output_len():
-    """A sentence that never ends is cut at max_output_len tokens, <s> included."""
-    model = tiny_model()
-    model.generator = ScriptedGenerator([[5] * 10] * 3)
-    src, src_mask = source()
-    ys = at.greedy_decode(model, src, src_mask, max_output_len=4, ids=IDS)
-    assert ys.tolist() == [[START, 5, 5, 5]] * 3
-
-
-@pytest.mark.numerics
-@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
-def test_fast_label_smoothing_equals_the_kl_version(eps):
-    """The closed form gives the same loss and the same gradient as KLDivLoss."""
-    logits = torch.randn(12, V, requires_grad=True)
-    target = torch.randint(0, V, (12,))
-    target[::4] = PAD
-    grads = []
-    for criterion in (at.LabelSmoothing(V, PAD, eps), at.FastLabelSmoothing(V, PAD, eps)):
-        loss = criterion(F.log_softmax(logits, dim=-1), target)
-        (grad,) = torch.autograd.grad(loss, logits)
-        grads.append((loss.detach(), grad))
-    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
-    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5)
-
-
-@pytest.mark.numerics
-def test_fused_adam_equals_plain_adam():
-    """The fused kernel (used on CUDA) takes the same steps as the plain loop; on CPU
-    torch has a fused Adam too, so the equality can be checked here. Both are fed the
-    same gradients, so what is compared is Adam's arithmetic alone, element by element:
-    nothing in it amplifies rounding, tiny gradients (which Adam scales up to full
-    steps) included."""
-    settings = at.Settings(name="t", d_model=16, warmup=4)
-    plain, fused = tiny_model(), tiny_model()
-    fused.load_state_dict(plain.state_dict())
-    start = copy.deepcopy(plain)
-    optimizers = [
-        at.make_optimizer(m, settings, fused=f) for m, f in ((plain, False), (fused, True))
-    ]
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
-            # gradients from 1e-12 (round-off size) to 1, as a model's span
-            size = 10.0 ** torch.randint(-12, 1, p.shape, generator=generator)
-            p.grad = torch.randn(p.shape, generator=generator) * size
-            q.grad = p.grad.clone()
-        for optimizer, schedule in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-            schedule.step()
-    lr = at.rate(1, d_model=16, warmup=4)
-    assert largest_change(start, plain) > lr / 2, "Adam moved the weights"
-    assert_same_parameters(plain, fused, atol=1e-7)
 
 
 @pytest.mark.numerics

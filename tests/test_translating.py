@@ -1,11 +1,12 @@
-"""Translating and scoring: beam search on a scripted model, BLEU on words the vocabulary
-lacks, and the heatmaps' pass through a model."""
+"""Translating and scoring: greedy decoding and beam search on scripted models, BLEU on
+words the vocabulary lacks, and the heatmaps' pass through a model."""
 
 import itertools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_data
 from torch import nn
 
@@ -44,10 +45,90 @@ def test_heatmap_translation_leaves_the_model_where_it_is(monkeypatch):
     assert torch.allclose(cross.sum(-1), torch.ones(2, len(tgt_tokens) - 1))
 
 
+# --- greedy decoding --------------------------------------------------------------------
+
+PAD, START, END = 0, 1, 2
+IDS = at.SpecialIds(start=START, end=END, pad=PAD)
+V = 11  # the greedy tests' vocabulary: the three specials and words 3 .. 10
+
+
+def tiny_model(**options):
+    """An untrained one-layer model over V words, the same for every test."""
+    at.set_seed(0)
+    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0, **options)
+    return at.make_model(V, V, config)
+
+
+class ScriptedGenerator(nn.Module):
+    """Stands in for model.generator: at call t, row b predicts script[b][t]."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.calls = torch.tensor(script), 0
+
+    def forward(self, x):
+        words = self.script[:, self.calls]
+        self.calls += 1
+        return F.log_softmax(F.one_hot(words, V).float() * 10, dim=-1)
+
+
+def source():
+    src = torch.tensor([[START, 5, 6, END], [START, 7, END, PAD], [START, 8, 9, END]])
+    return src, (src != PAD).unsqueeze(-2)
+
+
+def test_greedy_decode_shape_and_start_symbol():
+    """An untrained model: (B, <= max_output_len) ids that start with <s>."""
+    src, src_mask = source()
+    ys = at.greedy_decode(tiny_model(), src, src_mask, max_output_len=6, ids=IDS)
+    assert ys.dtype == torch.long and ys.size(0) == 3 and 2 <= ys.size(1) <= 6
+    assert (ys[:, 0] == START).all()
+
+
+def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
+    """A finished sentence gets padding; decoding ends once every sentence has </s>."""
+    model = tiny_model()
+    model.generator = ScriptedGenerator(
+        [
+            [5, END, 6, 7, 8, 9, 10],  # ends at step 2, then would go on talking
+            [5, 6, 7, END, 8, 9, 10],  # ends at step 4
+            [END, 3, 4, 5, 6, 7, 8],  # ends at once
+        ]
+    )
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=8, ids=IDS)
+    assert ys.tolist() == [
+        [START, 5, END, PAD, PAD],
+        [START, 5, 6, 7, END],
+        [START, END, PAD, PAD, PAD],
+    ]
+    assert model.generator.calls == 4, "no step after the last sentence finished"
+
+
+def test_greedy_decode_stops_after_one_step_when_end_always_wins():
+    """With a generator that always prefers </s>, the output is just <s> </s>."""
+    model = tiny_model(tie_output=False)
+    with torch.no_grad():
+        model.generator.proj.weight.zero_()
+        model.generator.proj.bias.zero_()
+        model.generator.proj.bias[END] = 100.0
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=10, ids=IDS)
+    assert ys.tolist() == [[START, END]] * 3
+
+
+def test_greedy_decode_respects_max_output_len():
+    """A sentence that never ends is cut at max_output_len tokens, <s> included."""
+    model = tiny_model()
+    model.generator = ScriptedGenerator([[5] * 10] * 3)
+    src, src_mask = source()
+    ys = at.greedy_decode(model, src, src_mask, max_output_len=4, ids=IDS)
+    assert ys.tolist() == [[START, 5, 5, 5]] * 3
+
+
 # --- beam search on a scripted model -----------------------------------------------------
 
-PAD, START, END, V = 0, 1, 2, 5  # words 3 and 4 are "a" and "b"
-IDS = at.SpecialIds(start=START, end=END, pad=PAD)
+# The scripted model knows five words: the three specials, then 3 and 4 ("a" and "b").
 
 
 class Scripted:

@@ -4,13 +4,13 @@
     .venv/bin/python tools/bench.py --preset smoke --repeats 2 --out /tmp/bench.json
     .venv/bin/python tools/bench.py --compile   # also our model under torch.compile
 
-It measures what `make run` does, with the notebook's functions as `trainer.Lesson.of`
-takes them from its `.py` twin. Training runs in the precision that the run's own
-calibration picks (`trainer.choose_precision`: bf16 on a CPU where it pays off, with the
-preset's settings), with the run's loss, through the notebook's loop (`at.run_epoch`,
-which clips and steps as a run does); decoding loads the run's final checkpoint from its
-folder (`trainer.run_dir`) and goes through the run's own `at.evaluate_test`, with the
-preset's beam size and length penalty.
+It measures what `make run` does, with the notebook's functions from its `.py` twin.
+Training runs in the precision that the run's own calibration picks
+(`trainer.choose_precision`: bf16 on a CPU where it pays off, with the preset's settings),
+with the run's loss, through the notebook's `at.run_epoch`, which clips and steps as a run
+does; decoding loads the run's final checkpoint from its folder (`trainer.run_folder`) and
+goes through the run's own `at.evaluate_test`, with the preset's beam size and length
+penalty.
 
 Four comparisons, each measured side by side in one run because machines are noisy:
 warm-up excluded, the median of several repeats, the two contenders interleaved.
@@ -53,8 +53,6 @@ sys.path.insert(0, str(ROOT))
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import trainer  # noqa: E402
 from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
-
-LESSON = trainer.Lesson.of(at)  # the notebook's functions, as `make run` trains with them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +133,10 @@ def fresh_training(settings: at.Settings, build, device: torch.device):
     return model, optimizer, schedule
 
 
-def new_run(settings: at.Settings, data: at.Multi30k, device, data_dir: Path = at.DATA_DIR):
-    """The preset's run before any training, as `make run` starts it: its folder under
-    data_dir, its loss (`run.criterion`) and its validation batches."""
-    return trainer.new_run(LESSON, settings, data, data_dir, device, show=False)
+def run_loss(settings: at.Settings, data: at.Multi30k) -> nn.Module:
+    """The label-smoothed loss that the notebook's `train` builds."""
+    en = data.vocabs["en"]
+    return at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
 
 
 # 0. The precision that `make run` trains in
@@ -147,19 +145,17 @@ def new_run(settings: at.Settings, data: at.Multi30k, device, data_dir: Path = a
 def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dict:
     """The precision `make run` would train in, picked as it picks it.
 
-    trainer.choose_precision on a fresh model of the preset, the run's loss and its first
-    validation batch (trainer.train_model calibrates on those): bf16 where the preset says
+    trainer.choose_precision on a fresh model of the preset and its first validation
+    batch (the notebook's `train` calibrates on those): bf16 where the preset says
     "auto" and bf16 pays off here, else float32. Returns the choice and what the
     calibration printed.
     """
-    run = new_run(settings, data, device)
-    LESSON.set_seed(settings.seed)
-    probe = LESSON.model_for(settings, data.vocabs).to(device)
+    at.set_seed(settings.seed)
+    model = at.model_for(settings, data.vocabs).to(device)
+    first = at.batches_for(data.val, data.vocabs["en"].pad_id, settings, device)[0]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        precision = trainer.choose_precision(
-            settings, device, LESSON, probe, run.val_batches[0], run.criterion, run.world_size
-        )
+        precision = trainer.choose_precision(settings, device, model, first)
     return {"precision": precision, "calibration": printed.getvalue().strip() or None}
 
 
@@ -222,7 +218,7 @@ def fixed_batches(data: at.Multi30k, settings: at.Settings, count: int, device) 
 
 
 def as_a_run_trains(settings: at.Settings, device, precision: str) -> dict:
-    """The clipping and mixed precision that trainer.train_epoch gives run_epoch."""
+    """The clipping and mixed precision that the notebook's `train` gives run_epoch."""
     return {
         "clip_norm": settings.clip_norm,
         "autocast": trainer.autocast_for(device, precision),
@@ -260,7 +256,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
     compilation.
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
-    criterion = new_run(settings, data, device).criterion
+    criterion = run_loss(settings, data)
     contenders = {
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
@@ -571,14 +567,14 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     at.evaluate_test, which also scores BLEU), and cached against plain recomputation
     with the same keywords: the preset's beam size and length penalty. The model is the
     final checkpoint in the run's folder under data_dir, as `make run` left it."""
-    run = new_run(settings, data, device, data_dir)
-    loaded = trainer.load_final(run)
+    folder = trainer.run_folder(settings, data, vars(at), data_dir)
+    loaded = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
     if loaded is None:
         return {
-            "skipped": f"no trained model in {run.folder}: "
+            "skipped": f"no trained model in {folder}: "
             f"run `AT_PRESET={settings.name} make run` first"
         }
-    model = loaded.model.eval()
+    model = loaded[0].eval()
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty
@@ -853,7 +849,7 @@ def main(argv=None) -> None:
         tokenizers,
         data.vocabs,
         device,
-        criterion=new_run(settings, data, device).criterion,
+        criterion=run_loss(settings, data),
         repeats=args.repeats,
         precision=precision,
     )

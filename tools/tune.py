@@ -4,9 +4,9 @@
     .venv/bin/python tools/tune.py --label paper-schedule schedule=inverse_sqrt
     .venv/bin/python tools/tune.py train_pairs=5000 clip_norm=none pre_norm=true
 
-Each run trains with the notebook's functions (`trainer.Lesson.of` its `.py` twin) into
-its own folder, data/tune/checkpoints/tune-<label>-<fingerprint>/ (a run that finished
-there is loaded, not trained again: delete the folder to run again), prints a line per
+Each run trains with the notebook's own loop (`train`, from its `.py` twin) into its own
+folder, data/tune/checkpoints/tune-<label>-<fingerprint>/ (a run that finished there is
+loaded, not trained again: delete the folder to run again), prints a line per
 epoch, then appends one JSON line to build/tune.jsonl: the changed settings, greedy
 validation BLEU per epoch and of the averaged weights, beam validation BLEU of the final
 model, and the minutes spent. It never touches the test split: this is the tool for
@@ -78,13 +78,12 @@ def main() -> None:
     settings = dataclasses.replace(at.get_settings("cpu"), name=f"tune-{label}", **changes)
     prepare_cpu_memory()  # as the notebook does before training (plumbing.py says why)
     data = at.prepare_data(settings, at.DATA_DIR)
-    lesson = trainer.Lesson.of(at)
+    device = at.pick_device()
+    folder = trainer.run_folder(settings, data, vars(at), at.DATA_DIR / "tune")
     start = time.perf_counter()
-    trained = trainer.load_or_train(
-        lesson, settings, data, at.DATA_DIR / "tune", device=at.pick_device()
-    )
+    finished = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
+    model, history = finished or at.train(settings, data, folder, device=device)
     minutes = (time.perf_counter() - start) / 60
-    model, history = trained.model, trained.history
     model.eval()
     beam = at.translate(
         model,
