@@ -22,24 +22,16 @@
 # [colab]: https://colab.research.google.com/github/OWNER/annotated-transformer/blob/main/annotated_transformer.ipynb
 #
 # This notebook builds the model of *Attention Is All You Need* (Vaswani et al., 2017)
-# one cell at a time, then teaches it to translate German into English on the Multi30k
-# image-caption corpus: in minutes on a laptop CPU, or as the paper's base model on a
-# CUDA GPU.
-#
-# * The paper's quotes and formulas stand right above the code that computes them;
-#   our own remarks are block quotes, like this one:
-#
-# > Each building block is followed by an example that **asserts** what it shows, so
-# > running the notebook also tests it.
-#
-# * Shapes: `B` batch, `T` target length, `S` source length, `h` heads, `d_k` head
-#   size, `V` vocabulary size.
-# * The twin `annotated_transformer.py`, imported by the tests and Part 4, keeps the
-#   demonstrating cells as comments: importing it runs nothing.
+# one cell at a time, then teaches it to translate German into English: in minutes on a
+# laptop, or as the paper's base model on a GPU. The paper's words and formulas stand
+# right above the code that computes them; our own remarks are block quotes. Each piece
+# is followed by a small example that asserts what it shows, so running the notebook
+# also tests it.
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
 # On Google Colab only: install what Colab lacks, and fetch the project's other files
-# (plumbing.py, trainer.py, the .py twin, the figure) when the notebook was opened alone.
+# (presets.py, plumbing.py, trainer.py, the .py twin, the figure) when the notebook was
+# opened alone.
 # Anywhere else (JupyterLab, VS Code, the tests, importing the .py twin) it does nothing.
 import os
 import sys
@@ -72,8 +64,8 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
     if not os.path.exists("plumbing.py"):  # opened alone: work inside a copy of the project
         if "OWNER" in REPO_URL:
             raise SystemExit(
-                "this notebook needs its project's files (plumbing.py, trainer.py), and the "
-                "project has no public address yet: upload them beside the notebook"
+                "this notebook needs its project's files (presets.py, plumbing.py, trainer.py), "
+                "and the project has no public address yet: upload them beside the notebook"
             )
         if not os.path.isdir("project"):  # not cloned before a restart of the session
             clone = ["git", "clone", "-q", "--depth", "1", REPO_URL, "project"]
@@ -86,50 +78,45 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 # %% [markdown]
 # ## Contents
 #
-# 1. [Prelims](#Prelims): imports, settings and presets
-# 2. [Background](#Background): why attention (§1, §2, §4)
-# 3. [Part 1: the model](#Part-1:-the-model): embeddings and positions (§3.4, §3.5),
-#    attention (§3.2), the feed-forward block (§3.3), residuals and stacks (§3.1)
-# 4. [Part 2: training machinery](#Part-2:-training-machinery): masks (§3.2.3), label
-#    smoothing (§5.4), the schedule (§5.3), an epoch, greedy decoding
-# 5. [A first test: the copy task](#A-first-test:-the-copy-task)
-# 6. [Part 3: a real task, German to English on Multi30k][part-3]: data, tokens,
-#    vocabularies and sub-words, batches (§5.1)
-# 7. [Translating and scoring](#Translating-and-scoring): beam search (§6.1), cached
-#    decoding, BLEU
-# 8. [Training the translator](#Training-the-translator), and
-#    [what matters in a short run](#What-matters-in-a-short-run)
-# 9. [The trained translator](#The-trained-translator): examples, BLEU on test2016
-# 10. [Looking inside: attention heatmaps](#Looking-inside:-attention-heatmaps)
-# 11. [What the paper did that we do not](#What-the-paper-did-that-we-do-not)
-# 12. [Part 4: training on several GPUs (and several machines)][part-4] (§5.2)
+# [Prelims](#Prelims) · [Background](#Background)
+#
+# 1. [The model](#Part-1:-the-model) (§3)
+# 2. [Training machinery](#Part-2:-training-machinery) (§3.2.3, §5.3, §5.4)
+# 3. [A first test, the copy task](#Part-3:-a-first-test,-the-copy-task)
+# 4. [A real task, German to English on Multi30k][part-4] (§5.1)
+# 5. [Translating and scoring](#Part-5:-translating-and-scoring) (§6.1)
+# 6. [Training the translator](#Part-6:-training-the-translator)
+# 7. [The trained translator](#Part-7:-the-trained-translator)
+# 8. [Looking inside, attention heatmaps][part-8]
+# 9. [What the paper did that we do not][part-9]
+# 10. [Training on several GPUs (optional)][part-10] (§5.2)
 #
 # **Exercises** end most parts: a starter with a gap (✎) for your answer, our answer
 # (folded), and a check. Our answer stands in only while your gap is empty, so pressing
 # Shift-Enter down the page never replaces yours: the check tests your answer as soon as
 # you have written it.
 #
-# [part-3]: #Part-3:-a-real-task,-German-to-English-on-Multi30k
-# [part-4]: #Part-4:-training-on-several-GPUs-(and-several-machines)
-#
-# ![The Transformer as built in this notebook: encoder (left) and decoder (right) stacks
-# of N layers, embeddings and positional encodings below, the Generator on
-# top](figures/transformer.svg)
+# [part-4]: #Part-4:-a-real-task,-German-to-English-on-Multi30k
+# [part-8]: #Part-8:-looking-inside,-attention-heatmaps
+# [part-9]: #Part-9:-what-the-paper-did-that-we-do-not
+# [part-10]: #Part-10:-training-on-several-GPUs-(optional)
 
 # %% [markdown]
 # ## Prelims
 #
 # The imports, in one place:
 #
-# * **PyTorch** for tensors, layers, autograd and the optimizer;
-# * **NumPy** for its random generator and a few array helpers;
-# * **pandas** and **Altair** for charts, and `display` to show one from inside a
-#   function.
+# * PyTorch, for the model and its training;
+# * NumPy, for random numbers;
+# * pandas and Altair, for the charts, which draw offline;
+# * two modules of this project: `presets` holds the settings of a run, and `trainer` the
+#   bookkeeping of a real training run.
 #
-# Functions take what they need as arguments; only the demonstrating cells share a few
-# names, chiefly `settings` (below), `data` (Part 3) and `model` (Training the
-# translator). Part 3 imports its data tools where they are first used. After the
-# imports, a cell checks that Altair writes Vega-Lite 5, which JupyterLab draws offline.
+# Functions take what they need as arguments. Only the example cells share a few names:
+# `settings` (below), `data` (Part 4) and `model` (Part 6).
+#
+# The cell after the imports makes sure the charts draw without a network, in
+# JupyterLab, VS Code and the exported page alike.
 
 # %%
 import contextlib
@@ -142,7 +129,6 @@ import os
 import random
 import re
 import sys
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,6 +140,9 @@ import torch.nn.functional as F
 from IPython.display import display
 from torch import Tensor, nn
 
+import trainer  # the bookkeeping of a real run, which the training loop calls
+from presets import CPU, GPU, PRESETS, SEED, SMOKE, Settings, get_settings  # noqa: F401
+
 # %% active="ipynb"
 # # Charts: JupyterLab, VS Code and our HTML export draw Altair's Vega-Lite v5 output with
 # # their own copy of Vega, so charts show offline; Colab is online and draws Altair's HTML.
@@ -164,15 +153,8 @@ from torch import Tensor, nn
 #     alt.renderers.enable("mimetype")
 
 # %% [markdown]
-# One seed drives every random choice:
-#
-# * initialisation and dropout;
-# * batch order;
-# * the copy task's data.
-#
-# `set_seed` is called again wherever a result must not depend on earlier cells. Another
-# CPU or thread count may round differently, so no check relies on the exact outcome of
-# training. `SEED` is also the default `seed` of every preset.
+# One seed drives every random choice: the first weights, dropout, the order of batches.
+# Another CPU may round differently, so no check relies on exactly how training ends.
 
 
 # %%
@@ -183,8 +165,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-SEED = 42
-
 # %% active="ipynb"
 # set_seed(SEED)
 # # Altair refuses data of over 5,000 rows by default; our largest heatmaps hold a few
@@ -192,204 +172,14 @@ SEED = 42
 # alt.data_transformers.disable_max_rows()
 
 # %% [markdown]
-# ### Settings and presets
-#
-# All the knobs live in one frozen dataclass. A *preset* is a named instance of it, and
-# the environment variable `AT_PRESET` picks one of the three below: `smoke`, `cpu` or
-# `gpu`. Left unset, it is `gpu` when CUDA is available and `cpu` otherwise.
-#
-# The fields, in groups, with the paper's symbols where it has them:
-#
-# * the model's size, $N$, $d_{\text{model}}$, $d_{ff}$, $h$ (as in the paper's Table 3),
-#   and its switch `pre_norm`;
-# * regularisation: `dropout` ($P_{drop}$) and `label_smoothing` ($\epsilon_{ls}$);
-# * the data: how many pairs, the longest sentence kept, the vocabulary;
-# * batching and optimisation: the token budget of a batch, gradient accumulation, the
-#   length of training, the warm-up, a factor on the rate, the schedule's shape,
-#   clipping, precision;
-# * averaging; decoding (beam size, length penalty $\alpha$); bookkeeping.
-#
-# A setting with a fixed set of values refuses any other: `refuse_unknown_choices` checks
-# every field typed `Literal[...]`.
-
-
-# %%
-def refuse_unknown_choices(settings) -> None:
-    """Stop with one line if a setting typed Literal[...] holds another value."""
-    for name, kind in type(settings).__annotations__.items():
-        allowed = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        if allowed and getattr(settings, name) not in allowed:
-            raise ValueError(f"{name}={getattr(settings, name)!r}: use one of {', '.join(allowed)}")
-
-
-# %%
-@dataclass(frozen=True)
-class Settings:
-    name: str
-    N: int = 6  # layers in the encoder stack and in the decoder stack
-    d_model: int = 512  # width of every sub-layer's input and output
-    d_ff: int = 2048  # inner width of the feed-forward sub-layer
-    h: int = 8  # attention heads
-    dropout: float = 0.1  # the paper's P_drop
-    pre_norm: bool = False  # False is the paper's post-norm
-    max_train_len: int = 64  # longest sentence kept for training, in tokens with <s> and </s>
-    checkpoint_steps: int = 200  # also checkpoint mid-epoch every this many optimizer steps
-    train_pairs: int | None = None  # None uses all 29,000 training pairs
-    eval_pairs: int | None = None  # None decodes every val/test sentence
-    min_freq: int = 2  # a word seen fewer times in training becomes <unk> (a piece splits)
-    bpe_merges: int = 0  # 0: a word vocabulary per language; else one joint sub-word one
-    batch_tokens: int = 4000  # token budget of one micro-batch (padding included)
-    accum_iter: int = 1  # micro-batches per optimizer step
-    epochs: int = 10  # a fixed amount of training, unless train_minutes is set
-    train_minutes: float | None = None  # plan the epochs to end training after this long
-    warmup: int = 4000  # optimizer steps of linear learning-rate warm-up
-    lr_factor: float = 1.0  # multiplies the paper's learning-rate formula
-    schedule: typing.Literal["inverse_sqrt", "linear"] = "inverse_sqrt"  # the paper's, or to zero
-    clip_norm: float | None = None  # clip the gradient's norm to this (the paper: silent)
-    precision: typing.Literal["fp32", "bf16", "auto"] = "fp32"  # auto: bf16 where it is faster
-    average_last: int = 1  # the final weights: the average of the last this many epochs
-    label_smoothing: float = 0.1  # the paper's epsilon_ls
-    beam_size: int = 4  # the paper's beam size
-    length_penalty: float = 0.6  # the paper's alpha
-    seed: int = SEED
-    __post_init__ = refuse_unknown_choices  # a wrong schedule or precision stops here
-
-
-# %% [markdown]
-# Three presets. `smoke` lets the test suite run every cell in a few minutes:
-#
-# * one layer of width 32, with 2 heads;
-# * 2 epochs on 2,000 pairs;
-# * 100 validation and 100 test sentences.
-#
-# Far too small to translate well, it only shows that each piece runs and fits the next.
-# It stays in float32, so its results never hang on whether a CPU runs bf16 fast.
-
-# %%
-SMOKE = Settings(
-    name="smoke",
-    N=1,
-    d_model=32,
-    d_ff=64,
-    h=2,
-    train_pairs=2000,
-    eval_pairs=100,
-    batch_tokens=1500,
-    accum_iter=2,
-    epochs=2,
-    warmup=8,
-    schedule="linear",
-    clip_norm=1.0,
-    average_last=2,
-    beam_size=2,
-)
-
-# %% [markdown]
-# `cpu` trains a small model for a fixed time: four layers of width 128, a feed-forward
-# width of 256 and 4 heads (3.1 million parameters), for `train_minutes=16`. It times
-# this machine, plans as many epochs as fit, and may correct the plan after each epoch.
-# Its other choices, weighed on the validation split in [What matters in a short
-# run](#What-matters-in-a-short-run):
-#
-# * pre-norm layers, which learn faster in the first epochs;
-# * small batches, for more steps per epoch;
-# * word vocabularies, which keep sentences shorter than sub-words do;
-# * no averaging, and a length penalty $\alpha = 1$.
-#
-# It also decays the rate to zero and clips gradients, two choices argued there but not
-# measured.
-
-# %%
-CPU = Settings(
-    name="cpu",
-    N=4,  # two thirds of the paper's depth,
-    d_model=128,  # a quarter of its width,
-    d_ff=256,  # an eighth of its feed-forward width,
-    h=4,  # half its heads, so d_k = 32
-    bpe_merges=0,  # words: in a 16-minute run they beat sub-words
-    batch_tokens=1500,  # about 1,300 real target tokens a step: many small steps
-    pre_norm=True,  # not the paper's post-norm: far ahead in a short run
-    train_minutes=16,  # planned to the clock
-    warmup=200,  # pre-norm needs little warm-up
-    lr_factor=0.35355,  # a peak of 2.2e-3 at step 200
-    schedule="linear",  # to zero at the planned end
-    clip_norm=1.0,  # the paper is silent on clipping
-    precision="auto",  # bf16 where this CPU runs it faster, measured at the start
-    average_last=1,  # none: in short planned runs averaging cost BLEU
-    length_penalty=1.0,  # beat the paper's 0.6 on validation
-)
-
-# %% [markdown]
-# `gpu` is the paper's base model. On 29,000 sentence pairs its 51 million parameters
-# would soon memorise the training set, so it borrows two settings from fairseq's recipe
-# for a small corpus (IWSLT'14 German-English):
-#
-# * dropout 0.3 instead of 0.1;
-# * a peak learning rate of $5 \times 10^{-4}$.
-#
-# It warms up for 400 steps, falls linearly to zero over 30 epochs, and averages its last
-# 5 epochs as the paper averaged 5 checkpoints. These settings are reasoned, not
-# measured: no GPU has been lent to this project yet.
-#
-# `PRESETS` maps the three names to them.
-
-# %%
-GPU = Settings(
-    name="gpu",  # the paper's base model: N, d_model, d_ff, h are the defaults
-    dropout=0.3,  # fairseq's IWSLT'14 recipe, for a small corpus
-    batch_tokens=6000,
-    epochs=30,
-    warmup=400,  # short: the whole run is about 2,550 steps
-    lr_factor=0.23,  # peak 5.1e-4, the IWSLT'14 recipe's 5e-4
-    schedule="linear",  # a run of known length ends at rate zero
-    clip_norm=1.0,
-    precision="auto",  # bf16 on CUDA
-    average_last=5,  # as the paper averaged 5 checkpoints (§6.1)
-)
-PRESETS = {"smoke": SMOKE, "cpu": CPU, "gpu": GPU}
-
-
-# %% [markdown]
-# `get_settings` picks the preset. To try another one:
-#
-# * set the variable before the notebook starts, for example `AT_PRESET=smoke make lab`;
-# * or run `os.environ["AT_PRESET"] = "smoke"` in a cell, then this one again.
-#
-# An unknown name stops with one line listing the three. The next cell picks the preset
-# and prints its fields; every later cell reads `settings`.
-
-
-# %%
-def get_settings(name: str | None = None) -> Settings:
-    """Return the preset called `name`; None reads AT_PRESET, then picks gpu or cpu."""
-    if name is None:
-        name = os.environ.get("AT_PRESET") or ("gpu" if torch.cuda.is_available() else "cpu")
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}: set AT_PRESET to one of {', '.join(PRESETS)}")
-    return PRESETS[name]
-
+# Every knob of a run lives in one record, `settings`. The next cell picks a *preset*:
+# `cpu`, a small model that trains in 16 minutes on a laptop, or `gpu`, the paper's base
+# model, where there is a GPU. To choose, set `AT_PRESET` before Jupyter starts (`smoke`
+# is a toy run for the tests). Part 6 says what each preset holds, and why.
 
 # %% active="ipynb"
 # settings = get_settings()
-# print(settings)
-
-# %% [markdown]
-# A preset is frozen, so a change is a new object; `dataclasses.replace` makes one, and
-# every checkpoint stores the settings it was trained with. The cell checks:
-#
-# * a field changed by `replace`;
-# * two refusals, of a preset name and a precision that do not exist, each a `ValueError`
-#   that names the allowed values.
-
-# %% active="ipynb"
-# assert get_settings("gpu").d_model == 512 and dataclasses.replace(settings, epochs=1).epochs == 1
-# for wrong, names in [({"name": "laptop"}, "smoke, cpu, gpu"), ({"precision": "bf61"}, "auto")]:
-#     try:
-#         get_settings(wrong["name"]) if "name" in wrong else dataclasses.replace(settings, **wrong)
-#         raise AssertionError(f"{wrong} must be refused")
-#     except ValueError as error:
-#         assert names in str(error)
-#         print(error)
+# print(f"the {settings.name!r} preset")
 
 # %% [markdown]
 # ## Background
@@ -415,9 +205,15 @@ def get_settings(name: str | None = None) -> Settings:
 # %% [markdown]
 # ## Part 1: the model
 #
+# ![The Transformer as built in this notebook: encoder (left) and decoder (right) stacks
+# of N layers, embeddings and positional encodings below, the Generator on
+# top](figures/transformer.svg)
+#
 # The encoder maps the source tokens $(x_1, \ldots, x_n)$ to vectors
-# $z = (z_1, \ldots, z_n)$; the decoder writes the output $(y_1, \ldots, y_m)$ one
-# token at a time, reading $z$ and the tokens written so far. We build it bottom-up.
+# $z = (z_1, \ldots, z_n)$. The decoder writes the output $(y_1, \ldots, y_m)$ one
+# token at a time, reading $z$ and the tokens written so far. The paper calls this
+# *auto-regressive*: each token the decoder writes becomes its input for the next. We
+# build it bottom-up.
 
 # %% [markdown]
 # ### Embeddings (§3.4)
@@ -461,12 +257,19 @@ class TokenEmbedding(nn.Module):
 #   PE_{(pos, 2i+1)} = \cos\left(pos / 10000^{2i/d_{\text{model}}}\right)$$
 #
 # Each pair of dimensions is a sine and cosine of one frequency, with wavelengths from
-# $2\pi$ to $10000 \cdot 2\pi$. The paper chose this form because $PE_{pos+k}$ is a
-# linear function of $PE_{pos}$, which should make relative positions easy to attend
-# to. Dropout is applied to the sum.
+# $2\pi$ to $10000 \cdot 2\pi$: fast waves tell neighbours apart, slow ones distant
+# positions. Why waves, and not a number per position? Two reasons, both the paper's:
 #
-# `PositionalEncoding` computes the table once, as a buffer: it follows the model to a
-# device but is no parameter, and stays out of the `state_dict` (`persistent=False`).
+# * **Relative positions.** For any fixed offset $k$, $PE_{pos+k}$ is a linear function
+#   of $PE_{pos}$ (a rotation of each sine-cosine pair), so "the word three places back"
+#   looks the same wherever it happens. That should make relative positions easy to
+#   attend to.
+# * **Longer sentences.** Learned position vectors gave "nearly identical results"
+#   (Table 3, row E), but exist only for the positions seen in training. A formula has
+#   a value for every position, so the model may cope with sentences longer than any it
+#   was trained on.
+#
+# Dropout is applied to the sum. `PositionalEncoding` computes the table once.
 
 
 # %%
@@ -518,23 +321,21 @@ class PositionalEncoding(nn.Module):
 # > the weight assigned to each value is computed by a compatibility function of the
 # > query with the corresponding key."
 #
+# **Queries, keys and values.** Think of a dictionary whose lookups are soft. Each
+# position sends a *query*: what it is looking for. Each position offers a *key*, a label
+# to be matched against queries, and a *value*, what it hands over. A query is compared
+# with every key by a dot product; the better the match, the larger that value's share.
+# A real dictionary returns the one value whose key equals the query; attention returns
+# a blend of all of them, weighted by the softmax of the matches:
+#
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\left(\frac{QK^T}{\sqrt{d_k}}\right)V$$
 #
 # For entries of mean 0 and variance 1, $q \cdot k$ has variance $d_k$; large scores
 # push the softmax towards one-hot, where its gradient nearly vanishes. Dividing by
 # $\sqrt{d_k}$ undoes that.
 #
-# `attention` takes keyword-only tensors, so a query and a key cannot swap unnoticed:
-#
-# * `query` (…, T_q, d_k), `key` (…, T_k, d_k), `value` (…, T_k, d_v), and an optional
-#   boolean `mask` that broadcasts to (…, T_q, T_k); `…` is the batch (and later the
-#   heads);
-# * it returns the output (…, T_q, d_v) and the weights (…, T_q, T_k).
-#
-# > Masks are boolean: `True` where a query **may** attend to a key. Masked scores get
-# > the most negative float, not `-inf`, so a fully masked row gives uniform weights,
-# > not `NaN`. PyTorch's fused kernel treats such a row differently, so the model
-# > avoids them: every query sees at least the first source token and its own `<s>`.
+# In the code, a mask is `True` where a query may look at a key. A masked key gets the
+# lowest score there is, so its weight after the softmax is zero.
 
 
 # %%
@@ -568,12 +369,10 @@ def attention(
 # assert w[0, 0, 2] == 0 and torch.allclose(out, torch.tensor([[[1.0]]]), atol=1e-3)
 
 # %% [markdown]
-# **Experiment: why divide by $\sqrt{d_k}$.** Random queries and keys (mean 0,
-# variance 1), a softmax over 10 keys, with and without the scaling, for $d_k = 64$ (a
-# base-model head, $512 / 8$) and $d_k = 512$ (one head of full width). Unscaled, the
-# dot products have a standard deviation of $\sqrt{d_k}$ (8 and about 23): one key
-# takes most of the weight and the gradient shrinks. Scaling makes the gradient about
-# four times larger at 64, and more at 512.
+# **Experiment: why divide by $\sqrt{d_k}$.** Random queries and keys, a softmax over 10
+# keys, for a base-model head ($d_k = 64$) and one head of full width ($d_k = 512$).
+# Unscaled, one key takes most of the weight and the gradient shrinks; scaled, the
+# gradient is about four times larger at 64, and more at 512.
 
 
 # %%
@@ -610,10 +409,7 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 #   \mathrm{Attention}(QW_i^Q, KW_i^K, VW_i^V)$$
 #
 # with $d_k = d_v = d_{\text{model}} / h$, so all heads cost about one head of full
-# width. We compute them at once, one projection reshaped into `h` heads: `forward`
-# projects (B, T, d_model) inputs and `split_heads` views each as (B, h, T, d_k);
-# `attend` runs `attention` on every head, concatenates them, (B, T_q, h · d_k), and
-# applies $W^O$.
+# width. We compute all heads at once: one projection, reshaped into `h` heads.
 #
 # > Off the paper's path: `use_sdpa` calls PyTorch's fused
 # > `scaled_dot_product_attention` instead of our `attention` (same formula; a test checks
@@ -693,9 +489,37 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 #     print(error)
 
 # %% [markdown]
-# The model uses this block three times: encoder self-attention, masked decoder
-# self-attention, and encoder-decoder attention (decoder queries, encoder keys and
-# values).
+# **Why several heads?** One head gives each position one average, and an average must
+# choose: it cannot look hard at both the subject and the verb without blurring them.
+# Several heads, each with projections of its own, can each look somewhere else, and the
+# next layer reads their answers side by side. In the paper's words, "with a single
+# attention head, averaging inhibits this."
+#
+# **Three uses** (§3.2.3). The model uses this block in three places, which differ only
+# in where the queries, keys and values come from:
+#
+# * **encoder self-attention**: all three come from the previous encoder layer, so each
+#   source word can look at every source word;
+# * **masked decoder self-attention**: all three come from the previous decoder layer,
+#   and a mask hides the words after each position, which do not exist yet when we
+#   translate;
+# * **encoder-decoder attention**: the queries come from the decoder, the keys and values
+#   from the encoder's output, so each word being written can look at every source word.
+#
+# **Why attention pays** (§4). Background promised shorter paths; the paper puts the
+# argument in numbers (its Table 1). For a sentence of $n$ words, each a vector of width
+# $d$:
+#
+# | layer | work per layer | steps that must wait for each other | longest path between two words |
+# |---|---|---|---|
+# | self-attention | $n^2 \cdot d$ | 1 | 1 |
+# | recurrent | $n \cdot d^2$ | $n$ | $n$ |
+# | convolutional, kernel $k$ | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
+#
+# Attention's work grows with the square of the sentence's length, but a sentence is
+# usually shorter than its vectors are wide (about 15 tokens here, against 512 numbers),
+# so attention is also the cheapest layer. And a signal that must pass through many
+# steps to link two words fades on the way.
 
 # %% [markdown]
 # ### Position-wise feed-forward network (§3.3)
@@ -751,22 +575,24 @@ class FeedForward(nn.Module):
 # > "We apply dropout to the output of each sub-layer, before it is added to the
 # > sub-layer input and normalized." (§5.4)
 #
+# The residual connection adds a sub-layer's input to its output, so a sub-layer only
+# learns a correction, and the gradient has a direct path through the whole stack.
+# *Layer normalisation* (Ba et al., 2016) then steadies the sizes. For each position on
+# its own, it takes the $d_{\text{model}}$ numbers of its vector, subtracts their mean,
+# divides by their standard deviation, then multiplies by a learned gain and adds a
+# learned bias, one of each per dimension. Whatever the layers below did, the next one
+# reads numbers of about the same size.
+#
 # > **Post-norm versus pre-norm.** The paper normalises *after* the addition
 # > (post-norm); many later models normalise the sub-layer's *input*,
 # > $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ (pre-norm), with a final layer norm
 # > on the stack.
-# > * Xiong et al. (2020, "On Layer Normalization in the Transformer Architecture")
-# >   show that post-norm starts with large gradients near the output, hence its
-# >   warm-up, while their pre-norm models trained without one.
-# > * Liu et al. (2020, "Understanding the Difficulty of Training Transformers") find
-# >   pre-norm more robust, post-norm typically better when it trains.
-# > * `pre_norm=True` switches every layer; the `cpu` preset uses it ([What matters in
-# >   a short run](#What-matters-in-a-short-run)).
+# > Xiong et al. (2020) show that post-norm starts with large gradients near the output,
+# > hence its warm-up; Liu et al. (2020) find pre-norm more robust, post-norm often
+# > better when it trains. `pre_norm=True` switches every layer; the `cpu` preset uses it.
 #
-# `ResidualSublayer.forward(x, sublayer)` takes the sub-layer as a function, so one class
-# serves attention (through a `lambda`) and the feed-forward block. The example's
-# stand-ins: post-norm output has mean 0 over `d_model`, and a pre-norm sub-layer that
-# returns zeros leaves `x` unchanged.
+# `ResidualSublayer` takes the sub-layer as a function, so one class serves attention
+# and the feed-forward block.
 
 
 # %%
@@ -804,13 +630,10 @@ class ResidualSublayer(nn.Module):
 #
 # Every layer's sizes and switches travel in one frozen record, `ModelConfig`, whose
 # defaults are the paper's base model. `make_model` and each layer take it, so a new
-# switch reaches every layer and a misspelt field (`ModelConfig(pre_nrom=True)`) is an
-# error. Its methods `attention()`, `sublayer()` and `embedding()` build the shared
-# parts.
+# switch reaches every layer.
 #
-# `EncoderLayer` wraps self-attention and the feed-forward block each in a residual
-# sub-layer; `Encoder` runs `N` layers on (B, S, d_model) with the source mask (B, 1, S),
-# ending with a LayerNorm only when pre-norm.
+# Each `EncoderLayer` wraps its two sub-layers in residual connections, and `Encoder`
+# stacks `N` of them, with a final LayerNorm only when pre-norm.
 
 
 # %%
@@ -899,9 +722,9 @@ class Encoder(nn.Module):
 # > ... We also modify the self-attention sub-layer in the decoder stack to prevent
 # > positions from attending to subsequent positions."
 #
-# `DecoderLayer` puts encoder-decoder attention between the two: its keys and values are
-# the encoder's output `memory` (B, S, d_model), masked by `src_mask`; self-attention
-# takes `tgt_mask` (B, T, T), which Part 2 builds with `causal_mask`.
+# `DecoderLayer` puts encoder-decoder attention between the two, reading the encoder's
+# output, `memory`. Its self-attention takes a mask that hides later words; Part 2
+# builds it.
 
 
 # %%
@@ -1001,8 +824,7 @@ class EncoderDecoder(nn.Module):
 
 # %% [markdown]
 # `make_model` builds the model from two vocabulary sizes and a `ModelConfig` (the base
-# model if none), and accepts nothing else: `make_model(..., pre_nrom=True)` is a
-# `TypeError`.
+# model if none).
 #
 # > * *Initialisation*, on which the paper is silent: Xavier-uniform for every weight
 # >   matrix, as in PyTorch's `nn.Transformer`.
@@ -1010,7 +832,7 @@ class EncoderDecoder(nn.Module):
 # >   embedding layers and the pre-softmax linear transformation". `tie_output=True`
 # >   shares the target embedding with the generator; `share_embeddings=True` the
 # >   source embedding too, which needs one vocabulary for both languages
-# >   ("Sub-words", Part 3).
+# >   ("Sub-words", Part 4).
 
 
 # %%
@@ -1040,15 +862,6 @@ def make_model(src_vocab: int, tgt_vocab: int, config: ModelConfig | None = None
     return model
 
 
-# %% active="ipynb"
-# for misspelt in (lambda: make_model(11, 11, pre_nrom=True), lambda: ModelConfig(pre_nrom=True)):
-#     try:
-#         misspelt()
-#         raise AssertionError("a misspelt setting must be refused")
-#     except TypeError as error:
-#         print(error)
-
-
 # %% [markdown]
 # Counting parameters: a tied matrix is one tensor shared by two modules, and
 # `model.parameters()` yields each tensor once, so it is counted once.
@@ -1073,6 +886,25 @@ def count_parameters(model: nn.Module) -> int:
 # assert count_parameters(base.encoder.layers[0]) == per_encoder_layer
 # assert 50_000_000 < n_base < 60_000_000
 # del base
+
+# %% [markdown]
+# **The whole model, untrained.** The pieces fit together. Given a source sentence and the
+# start of its translation, the model returns, at every position of the target, a
+# probability for each word of the vocabulary: its guess at the next word. With random
+# weights the guesses are arbitrary, and no word is anywhere near certain. Part 2 teaches
+# the model to guess well.
+
+# %% active="ipynb"
+# set_seed(0)
+# untrained = make_model(11, 11, ModelConfig(N=2, d_model=16, d_ff=32, h=2)).eval()
+# src, tgt = torch.tensor([[1, 5, 6, 7, 2]]), torch.tensor([[1, 5, 6]])  # word ids, 11 words
+# sees_so_far = torch.ones(1, 3, 3, dtype=torch.bool).tril()  # position t reads tokens <= t
+# with torch.no_grad():
+#     out = untrained(src, tgt, (src != 0).unsqueeze(-2), sees_so_far)  # (1, 3, d_model)
+#     probs = untrained.generator(out).exp()  # (1, 3, 11)
+# print("next-word probabilities after <s> 5 6:", probs[0, -1].numpy().round(2))
+# assert probs.shape == (1, 3, 11) and torch.allclose(probs.sum(-1), torch.ones(1, 3))
+# assert probs.max() < 0.9  # nothing learned, nothing certain
 
 # %% [markdown]
 # ### Exercises
@@ -1519,13 +1351,9 @@ def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
 # forcing, from log-probabilities (B, T, V) flattened to (B · T, V) in float32;
 # `tokens_per_step` counts the real target tokens of each step.
 #
-# Three optional arguments of `run_epoch` serve the real training run and change nothing
-# by default:
-#
-# * `clip_norm`, a bound on the gradient's norm (see `optimizer_step`);
-# * `autocast`, a context for the forward pass in lower precision (bf16);
-# * `on_step`, called after every optimizer step with the number of micro-batches done
-#   and the loss and tokens so far (for a progress bar and checkpoints).
+# Three optional arguments serve the real training run of Part 6 and change nothing by
+# default: `clip_norm` bounds the gradient, `autocast` may run the forward pass in bf16,
+# and `on_step` is called after every optimizer step, for checkpoints.
 #
 # How to read the loop:
 #
@@ -1782,7 +1610,7 @@ def greedy_decode(model, src: Tensor, src_mask: Tensor, max_output_len: int, *, 
 # assert moved[0] < 1e-6 and moved[1] > 0.01
 
 # %% [markdown]
-# ## A first test: the copy task
+# ## Part 3: a first test, the copy task
 #
 # A toy task isolates the machinery: the model sees random digits and must output them
 # unchanged. A working Transformer learns it in a minute on a CPU; a bug in masks,
@@ -1985,11 +1813,15 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # assert reversed_share > 0.9
 
 # %% [markdown]
-# ## Part 3: a real task, German to English on Multi30k
+# ## Part 4: a real task, German to English on Multi30k
 #
 # Multi30k (Elliott et al., 2016) pairs about 31,000 English image captions with German
 # translations. Its short sentences and common words make it learnable on a laptop in
-# minutes. Task 1 splits it:
+# minutes. The paper trained on WMT 2014's 4.5 million English-German pairs, news and
+# parliament speeches; Multi30k is over a hundred times smaller, and all its sentences
+# describe pictures, so a small vocabulary covers most of them.
+#
+# Task 1 of the corpus splits it three ways:
 #
 # | split | pairs | used for |
 # |---|---|---|
@@ -2033,13 +1865,7 @@ DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One more line of plumbing, `prepare_cpu_memory()`, helps CPU training, whose steps free
-# and take back tensors of tens of megabytes:
-#
-# * it asks Linux's C library to keep freed memory for reuse (glibc only);
-# * it caps the cache of compiled bf16 kernels.
-#
-# Its docstring in `plumbing.py` has the measurements.
+# One line of plumbing makes CPU training faster and leaner; `plumbing.py` says how.
 
 # %% active="ipynb"
 # from plumbing import prepare_cpu_memory
@@ -2049,12 +1875,11 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # %% [markdown]
 # ### Getting the data
 #
-# > **Plumbing lives in `plumbing.py`**, a small tested module: fetching, checking and
-# > caching files teach nothing about the Transformer. What it guarantees:
-# > * files are written whole or not at all;
-# > * each Multi30k file is checked against a SHA-256 pinned in `plumbing.py`;
-# > * a bad input stops with one line saying what to do;
-# > * nothing read can run code (JSON caches, checkpoints with `weights_only=True`).
+# Fetching and checking files teaches nothing about the Transformer, so it lives in
+# `plumbing.py`. Each file is checked against a SHA-256 that the
+# module pins, and files are written whole or not at all. A bad or missing file stops
+# with one line that says what to do. Nothing it reads can run code: the caches are
+# JSON, and checkpoints load with `weights_only=True`.
 #
 # `load_pairs(split)` returns a split's (German, English) pairs, from the dataset's
 # public repository or, offline, from the folder `MULTI30K_DIR` names. The next cell
@@ -2131,15 +1956,7 @@ def cached_tokens(split: str, pairs, tokenizers, data_dir: Path = DATA_DIR) -> d
 # | `<blank>` | padding, to make sentences of a batch equally long |
 # | `<unk>` | a word the vocabulary does not know |
 #
-# `Vocab` holds `itos` (id to string) and `stoi` (string to id), and refuses a list that
-# does not start with the four specials, so their ids are 0 to 3:
-#
-# * `encode` maps tokens to ids (unknown ones to `unk_id`), `decode` maps back;
-# * `pieces` and `words` do nothing: a sub-word vocabulary splits and glues in them;
-# * `special_ids()` gives decoding its `SpecialIds`;
-# * `fingerprint()`, stored in checkpoints, keeps them from loading with other
-#   vocabularies.
-#
+# A `Vocab` maps tokens to ids and back; the four specials always take ids 0 to 3.
 # `build_vocab` keeps, after the specials, the tokens seen at least `min_freq` times,
 # most frequent first. In the toy example, "a" (3 times) and "dog" (twice) get ids 4 and
 # 5; "cat", seen once, becomes `<unk>`.
@@ -2736,7 +2553,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # assert unsorted_efficiency < efficiency
 
 # %% [markdown]
-# ## Translating and scoring
+# ## Part 5: translating and scoring
 #
 # ### Beam search (§6.1)
 #
@@ -3150,18 +2967,9 @@ def without_words(scorer, banned: list[int]):
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
 def translate(
-    model,
-    sources,
-    vocabs,
-    *,
-    beam_size=1,
-    alpha=0.6,
-    cached=True,
-    chunk_size=100,
-    allow_unk=False,
-    pieces=False,
-    longer_by=50,
-):
+    model, sources, vocabs, *, beam_size=1, alpha=0.6, cached=True, chunk_size=100,
+    allow_unk=False, pieces=False, longer_by=50,
+):  # fmt: skip
     """Translate id lists (<s> ... </s>) into English token lists, chunk_size at a time.
 
     pieces: return a sub-word vocabulary's pieces instead of whole words. longer_by: how
@@ -3342,11 +3150,10 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # print(f"BLEU {score.score:.1f}: every n-gram is right, but the penalty is {penalty:.2f}")
 
 # %% [markdown]
-# ## Training the translator
+# ## Part 6: training the translator
 #
-# Every piece is built: the model, the label-smoothed loss, Adam with its schedule, an
-# epoch with gradient accumulation, and validation BLEU to tell us how it is going. Training
-# is a loop that puts them together, the same loop as the copy task's, on real data:
+# Every piece is built: the model, the loss, the schedule, an epoch, and validation BLEU
+# to tell us how it is going. Training is a loop that puts them together:
 #
 # 1. build the model, the loss, the optimizer and the schedule;
 # 2. each epoch, train on every batch once with `run_epoch`, then measure the validation
@@ -3357,15 +3164,36 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # A real run also needs bookkeeping that teaches nothing about the Transformer, so it lives
 # in [`trainer.py`](trainer.py), and the loop calls it through one object, `run`:
 #
-# * `run.epochs()` yields the epochs to train. The `cpu` preset trains for a fixed 16
-#   minutes, so the run times its first steps and plans as many epochs as fit, then
-#   corrects the plan after each epoch;
-# * `run.planned_steps` tells the linear schedule where to reach zero, even after a
-#   re-plan;
+# * `run.epochs()` yields the epochs that fit the preset's minutes, timed on this
+#   machine, and `run.planned_steps` tells the schedule where they end;
 # * `run.autocast` is float32, or bf16 where this machine runs bf16 faster;
-# * `run.step_done` saves a checkpoint every 200 optimizer steps, so a stopped run goes on
-#   from where it stopped; `run.end_epoch` saves one too, and prints a line per epoch.
+# * `run.step_done` and `run.end_epoch` save checkpoints, so a stopped run goes on from
+#   its last one, and print a line per epoch.
 #
+# ### The presets
+#
+# How big a model, and how long to train it, depends on the machine:
+#
+# * `smoke` is a toy, one layer of width 32, that shows every piece runs, in minutes;
+#   the tests use it.
+# * `cpu` trains 3.1 million parameters for 16 minutes: four layers of width 128 and 4
+#   heads. Its other choices were weighed on the validation split ([What matters in a
+#   short run](#What-matters-in-a-short-run)): pre-norm layers, small batches, word
+#   vocabularies, no averaging, and a length penalty $\alpha = 1$.
+# * `gpu` is the paper's base model. On 29,000 sentence pairs its 51 million parameters
+#   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
+#   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus (IWSLT'14 German-English).
+#   No GPU has run it yet: these choices are reasoned, not measured.
+#
+# The table puts them side by side. Every field, with its reason, is in
+# [`presets.py`](presets.py); `dataclasses.replace(settings, epochs=3)` makes a changed copy.
+
+# %% active="ipynb"
+# preset_table = pd.DataFrame({name: dataclasses.asdict(p) for name, p in PRESETS.items()})
+# assert list(preset_table.columns) == ["smoke", "cpu", "gpu"] and settings in PRESETS.values()
+# display(preset_table.drop(index="name").astype(str))
+
+# %% [markdown]
 # First, a helper that cuts one epoch of sentence pairs into padded batches.
 
 
@@ -3373,7 +3201,7 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 def batches_for(pairs, pad_id, settings, device, *, epoch=0, rank=0, world_size=1) -> list:
     """One epoch's batches of `pairs` on `device`; with several ranks, this rank's share."""
     indices = bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=epoch)
-    if world_size > 1:  # Part 4: each process trains on its own share
+    if world_size > 1:  # Part 10: each process trains on its own share
         indices = shard_batches(indices, rank, world_size)
     return [collate(pairs, b, pad_id).to(device) for b in indices]
 
@@ -3381,13 +3209,11 @@ def batches_for(pairs, pad_id, settings, device, *, epoch=0, rank=0, world_size=
 # %% [markdown]
 # The loop. `model_for` builds a model of the preset's size; on a GPU you may pass
 # `fused_attention=True` there, and PyTorch's fused kernel then stands in for our
-# `attention`. The two lines under "Part 4" matter only when several processes train
+# `attention`. The two lines under "Part 10" matter only when several processes train
 # together, at the end of the notebook.
 
+
 # %%
-import trainer
-
-
 def train(settings: Settings, data: Multi30k, folder: Path, *, device, rank=0, world_size=1):
     """Train a translator on `data`; go on from the last checkpoint in `folder` if any."""
     set_seed(settings.seed)  # the same first weights in every process
@@ -3399,7 +3225,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, rank=0, w
     optimizer, schedule = make_optimizer(model, settings, total_steps=run.planned_steps)
     state = run.resume(model, optimizer, schedule, TrainState())  # from a checkpoint, if any
     learner, one_epoch = model, run_epoch
-    if world_size > 1:  # Part 4: DDP's wrapper around the model, and its epoch
+    if world_size > 1:  # Part 10: DDP's wrapper around the model, and its epoch
         learner = nn.parallel.DistributedDataParallel(model)
         one_epoch = functools.partial(ddp_epoch, world_size=world_size)
     for epoch in run.epochs():
@@ -3537,11 +3363,12 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
 # %% [markdown]
 # ### What matters in a short run
 #
-# The paper trained its base model for 100,000 steps of about 25,000 target tokens; the
-# `cpu` preset gets about 3,000 steps of 1,300 on two cores. Its choices were compared on
-# the validation split, never on the test set ([the records](results/README.md)), most on
-# an earlier, wider preset; a second seed alone moves BLEU by about a point, so treat
-# smaller gaps as ties.
+# *Optional: how the `cpu` preset's choices were made.* The paper trained its base model
+# for 100,000 steps of about 25,000 target tokens; the `cpu` preset gets a few thousand
+# steps of about 1,300 on two cores, as many as the machine fits into 16 minutes. Its
+# choices were compared on the validation split, never on the test set ([the
+# records](results/README.md)), most on an earlier, wider preset; a second seed alone
+# moves BLEU by about a point, so treat smaller gaps as ties.
 #
 # **A schedule that ends.** The paper's rate never gets small (Part 2), yet only small
 # steps let the weights settle. For runs of a known length, Li, Yumer and Ramanan
@@ -3590,28 +3417,32 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # * **Small batches** of 1,500 tokens, not 2,500: level at the end over two seeds, far
 #   ahead after one epoch (8.9 and 12.8 against 5.0 and 1.5).
 # * **Words, not sub-words**, whose longer sentences fit fewer epochs: 34.1 against 30.9.
-# * **No averaging**: in runs of 4 and 6 epochs, averaging the last three cost 2.5 and 2.0
-#   BLEU; in runs of 10 and 12 it moved BLEU by under a point.
+# * **No averaging**: averaging the last three epochs cost 2.5 BLEU in a run of 6 epochs,
+#   and 2.0 and 2.8 in runs of 4; in runs of 10 and 12 it moved BLEU by under a point.
 # * **$\alpha = 1.0$** beat the paper's 0.6 in all seven comparisons, by 0.2 to 0.4 (beam).
 # * **Kept**: dropout 0.1 (without it the validation loss rose over the last two epochs).
 
 # %% [markdown]
-# ## The trained translator
+# ## Part 7: the trained translator
 #
 # `model` is now the finished translator: with the `cpu` preset, the weights at the end
 # of its last epoch (the `gpu` preset averages its last epochs). We try it on sentences
 # with known references, then on your own, and last, once, on the test set.
 #
+# Until now the model only ever guessed the next word of a reference it was given.
+# Here it writes whole sentences from nothing but the German, one word at a time, and
+# each word it writes is the input for the next. A wrong word early can lead the rest
+# of the sentence astray, which a low validation loss alone would not show.
+#
 # ### Example translations
 #
-# Five fixed validation sentences (the same every run, so runs can be compared), with the
-# reference and our greedy and beam outputs. Look for:
+# Five fixed validation sentences, with the reference and our greedy and beam outputs.
+# Look for:
 #
-# * words copied from German unchanged (often names);
+# * German words copied unchanged (often names);
 # * a plausible wrong word where the right one was too rare for the English vocabulary
 #   (the decoder may not write `<unk>`);
-# * repeated phrases, where decoding kept choosing a likely word it had already written;
-#   beam search often repeats itself less.
+# * repeated phrases, which beam search often avoids.
 
 # %%
 EXAMPLE_SENTENCES = (0, 1, 2, 3, 4)
@@ -3728,13 +3559,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # assert test_results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|")
 
 # %% [markdown]
-# ### The record of the run
-#
-# `trainer.run_record` gathers the numbers of this run with what produced them: the
-# preset's settings as given, the plan it trained to, the device and precision, the
-# parameter count, the training time and speed, the loss and validation BLEU of every
-# epoch, the test scores with sacreBLEU's signature, and the versions of torch and
-# Python. The cell writes them to `build/results.json`.
+# The next cell keeps this run's numbers, and what made them, in `build/results.json`:
+# the settings, the plan, the loss and validation BLEU of every epoch, and the test
+# scores with sacreBLEU's signature, so that two runs can be compared later.
 
 # %% active="ipynb"
 # record = trainer.run_record(model, history, settings, folder, test_results, device)
@@ -3744,7 +3571,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # assert record["settings"] == dataclasses.asdict(settings) and record["epochs"] == len(history)
 
 # %% [markdown]
-# ## Looking inside: attention heatmaps
+# ## Part 8: looking inside, attention heatmaps
 #
 # Each attention head computes a matrix of weights: row $i$ says how much query position
 # $i$ draws from each key position. We translate one German sentence greedily, then run
@@ -3761,8 +3588,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # * an unknown word, which arrives as `<unk>`.
 #
 # `attention_maps` takes the pair as id tensors (S) and (T + 1) and returns, per kind of
-# attention, one (h, T_q, T_k) tensor per layer; its `finally` turns `keep_weights` off
-# even if the pass fails.
+# attention, one (h, T_q, T_k) tensor per layer. Rows are what a word looks from,
+# columns what it looks at: a bright cell off the diagonal is a word that borrows from
+# a distant one.
 
 # %%
 ATTENTION_SENTENCE = "Ein Mann mit einem roten Hut sitzt auf einer Bank."
@@ -3815,15 +3643,9 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 # parameters bound to inputs, so the browser redraws the chart without Python, in
 # JupyterLab or the exported page, offline. The chart carries every head of every layer,
 # one row per (layer, query, key) and a column per head, which keeps the page small;
-# `transform_fold` and a filter pick the chosen layer and head. Tokens are numbered in
-# sentence order, and the colour scale runs from 0 to 1 for every head.
-#
-# Its helpers:
-#
-# * `readable` marks a continued sub-word piece with a hyphen;
-# * `menu` binds a chart parameter to a menu.
-#
-# The explorer opens on the last layer, head 0.
+# The colour scale runs from 0 to 1 for every head, so a pale map is a head that spreads
+# its attention thin, and a dark square one that looks at a single word. The explorer
+# opens on the last layer, head 0.
 
 
 # %%
@@ -3944,7 +3766,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # %% [markdown]
 # ### Exercises
 #
-# **6.1 The most focused head.** Score each head by the entropy of its weights in bits,
+# **8.1 The most focused head.** Score each head by the entropy of its weights in bits,
 # averaged over its queries (0: one key per query; $\log_2 n$: even over $n$ keys), and
 # find the most focused and the most diffuse head of each encoder layer.
 #
@@ -3974,7 +3796,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #     print(f"most diffuse head {bits.argmax()} ({bits.max():.2f} bits)")
 
 # %% [markdown]
-# **6.2 A head that aligns.** Score a cross-attention head by the share of queries
+# **8.2 A head that aligns.** Score a cross-attention head by the share of queries
 # (English positions) whose strongest key (German position) lies within one position of
 # the diagonal, stretched to the two lengths: for query $i$ of $T_q$, key
 # $\mathrm{round}(i (T_k - 1) / (T_q - 1))$. Then find the last layer's best-aligned
@@ -4007,7 +3829,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # print(f"last layer: head {scores.argmax()} aligns best, {scores.max():.0%} of its rows")
 
 # %% [markdown]
-# ## What the paper did that we do not
+# ## Part 9: what the paper did that we do not
 #
 # Where our `cpu` model differs:
 #
@@ -4031,7 +3853,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # assert share < (0.01 if data.vocabs["en"].merges else 0.5)
 
 # %% [markdown]
-# ## Part 4: training on several GPUs (and several machines)
+# ## Part 10: training on several GPUs (optional)
 #
 # The paper trained on one machine with 8 GPUs (§5.2). PyTorch's
 # `DistributedDataParallel` (DDP) runs a process ("rank") per GPU, each with a copy of
@@ -4039,7 +3861,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # (an *all-reduce*), so all apply the same update. Four things change:
 #
 # 1. the ranks build the model from one seed, re-seed apart (so their dropout differs),
-#    then wrap it in DDP (the two lines marked "Part 4" in `train`);
+#    then wrap it in DDP (the two lines marked "Part 10" in `train`);
 # 2. each takes every `W`-th batch of the same list, whose length is made divisible by
 #    `W`;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
@@ -4135,9 +3957,8 @@ def ddp_epoch(
 #     assert len(ddp_history) == ddp_settings.epochs
 
 # %% [markdown]
-# **On one or several machines with `torchrun`.** PyTorch's launcher starts the same
-# worker, `tools/train_ddp.py`, telling each process its rank and the world size. On one
-# machine with 8 GPUs:
+# **With `torchrun`.** PyTorch's launcher starts the same worker, `tools/train_ddp.py`,
+# on one machine with 8 GPUs:
 #
 # ```bash
 # AT_PRESET=gpu torchrun --standalone --nproc-per-node=8 tools/train_ddp.py
@@ -4150,6 +3971,5 @@ def ddp_epoch(
 #     --rdzv-endpoint=first-machine:29500 --rdzv-id=multi30k tools/train_ddp.py
 # ```
 #
-# Each machine needs the data. Rank 0 writes the checkpoints, so to resume, `data/` must
-# be on a filesystem all machines see; ranks that see different checkpoints stop at the
-# start with one line that says so, rather than hang.
+# Each machine needs the data, and to resume, `data/` must be on a filesystem that every
+# machine sees.

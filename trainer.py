@@ -345,7 +345,7 @@ def start(settings, folder: Path, model: nn.Module, batch, *, rank=0, world_size
     precision = choose_precision(settings, device, model, batch, world_size)
     plan = Plan(settings.epochs, precision, train_minutes=settings.train_minutes)
     if plan.train_minutes is not None:
-        print(f"planning {plan.train_minutes:g} minutes: the first steps are timed, then the epochs")
+        print(f"planning {plan.train_minutes:g} minutes: timing the first steps, then the epochs")
     return Run(settings, folder, plan, rank, world_size)
 
 

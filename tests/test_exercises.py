@@ -24,10 +24,10 @@ GAP = "✎"
 PARTS = {
     "## Part 1: the model": 2,
     "## Part 2: training machinery": 2,
-    "## A first test: the copy task": 2,
-    "## Part 3: a real task": 2,
-    "## Translating and scoring": 2,
-    "## Looking inside: attention heatmaps": 2,
+    "## Part 3: a first test, the copy task": 2,
+    "## Part 4: a real task": 2,
+    "## Part 5: translating and scoring": 2,
+    "## Part 8: looking inside, attention heatmaps": 2,
 }
 
 
