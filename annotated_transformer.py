@@ -576,7 +576,7 @@ class FeedForward(nn.Module):
 # > sub-layer input and normalized." (§5.4)
 #
 # The residual connection adds a sub-layer's input to its output, so a sub-layer only
-# learns a correction, and the gradient has a direct path through the whole stack.
+# learns a correction.
 # *Layer normalisation* (Ba et al., 2016) then steadies the sizes. For each position on
 # its own, it takes the $d_{\text{model}}$ numbers of its vector, subtracts their mean,
 # divides by their standard deviation, then multiplies by a learned gain and adds a
@@ -891,8 +891,8 @@ def count_parameters(model: nn.Module) -> int:
 # **The whole model, untrained.** The pieces fit together. Given a source sentence and the
 # start of its translation, the model returns, at every position of the target, a
 # probability for each word of the vocabulary: its guess at the next word. With random
-# weights the guesses are arbitrary, and no word is anywhere near certain. Part 2 teaches
-# the model to guess well.
+# weights the guesses are arbitrary. Part 2 builds what teaches the model to guess well,
+# and Part 3 trains it for the first time.
 
 # %% active="ipynb"
 # set_seed(0)
@@ -925,8 +925,12 @@ def count_parameters(model: nn.Module) -> int:
 #     """Whether your answer `name` still holds its gap: a `...` where the ✎ points."""
 #     answer = globals().get(name, ...)
 #     if callable(answer):
-#         return re.search(r"\.\.\.\s*# ✎", inspect.getsource(answer)) is not None
-#     return answer is ...
+#         empty = re.search(r"\.\.\.\s*# ✎", inspect.getsource(answer)) is not None
+#     else:
+#         empty = answer is ...
+#     whose = "our answer: your gap is still empty" if empty else "your answer"
+#     print(f"the check of {name} below tests {whose}")
+#     return empty
 
 # %% [markdown]
 # **1.1 A decoder layer's parameters.** The cell above counted an encoder layer's
@@ -1817,9 +1821,9 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 #
 # Multi30k (Elliott et al., 2016) pairs about 31,000 English image captions with German
 # translations. Its short sentences and common words make it learnable on a laptop in
-# minutes. The paper trained on WMT 2014's 4.5 million English-German pairs, news and
-# parliament speeches; Multi30k is over a hundred times smaller, and all its sentences
-# describe pictures, so a small vocabulary covers most of them.
+# minutes. The paper trained on WMT 2014's 4.5 million English-German sentence pairs;
+# Multi30k is over a hundred times smaller, and all its sentences describe pictures, so
+# a small vocabulary covers most of them.
 #
 # Task 1 of the corpus splits it three ways:
 #
@@ -3159,16 +3163,20 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # 2. each epoch, train on every batch once with `run_epoch`, then measure the validation
 #    loss and validation BLEU;
 # 3. at the end, where the preset asks for it, average the last epochs' weights, as the
-#    paper did (§6.1).
+#    paper averaged its last checkpoints (§6.1).
 #
-# A real run also needs bookkeeping that teaches nothing about the Transformer, so it lives
-# in [`trainer.py`](trainer.py), and the loop calls it through one object, `run`:
+# A real run also needs bookkeeping, which lives in [`trainer.py`](trainer.py). The loop
+# calls it through one object, `run`, in order:
 #
-# * `run.epochs()` yields the epochs that fit the preset's minutes, timed on this
-#   machine, and `run.planned_steps` tells the schedule where they end;
-# * `run.autocast` is float32, or bf16 where this machine runs bf16 faster;
-# * `run.step_done` and `run.end_epoch` save checkpoints, so a stopped run goes on from
-#   its last one, and print a line per epoch.
+# 1. `trainer.start` times one batch to choose float32 or bf16, which `run.autocast`
+#    applies;
+# 2. `run.resume` loads the last checkpoint of a stopped run;
+# 3. `run.epochs()` yields the preset's epochs. With `train_minutes`, the run times its
+#    first steps, plans as many epochs as fit, and re-plans after each epoch;
+#    `run.planned_steps` tells the schedule where the plan ends;
+# 4. `run.unfinished` skips the batches a resumed epoch already trained on;
+# 5. `run.step_done` and `run.end_epoch` save checkpoints and print a line per epoch;
+# 6. `run.finish` saves the final model.
 #
 # ### The presets
 #
@@ -3248,14 +3256,13 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, rank=0, w
 
 # %% [markdown]
 # Where does a run live? In a folder under `data/checkpoints/`, named by everything that
-# shapes the trained model: the settings, the data, the code of every cell of the lesson,
-# and `trainer.py`. Its `manifest.json` lists them. So run the next cell a second time and
-# it loads the trained model in seconds; edit a cell such as `attention`, or a setting, and
-# it trains a new model beside the old one, and says what changed.
+# shapes the trained model: the settings, the data, every definition of the lesson (its
+# functions, classes and constants), and `trainer.py`; its `manifest.json` lists them.
+# Run the next cell again and it loads the trained model in seconds; edit a cell such as
+# `attention`, or a setting, and it trains a new model beside the old one.
 #
-# `pick_device` takes CUDA, else Apple's MPS, else the CPU. With the `cpu` preset the cell
-# prints its plan, then a line per epoch. On two cores it trains for about 16 minutes:
-# read on meanwhile.
+# `pick_device` takes CUDA, else Apple's MPS, else the CPU. With the `cpu` preset, the
+# cell trains for about 16 minutes: read on meanwhile.
 
 
 # %%
@@ -3642,7 +3649,7 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 # `attention_explorer` draws one heatmap with two menus, *layer* and *head*: Altair
 # parameters bound to inputs, so the browser redraws the chart without Python, in
 # JupyterLab or the exported page, offline. The chart carries every head of every layer,
-# one row per (layer, query, key) and a column per head, which keeps the page small;
+# one row per (layer, query, key) and a column per head, which keeps the page small.
 # The colour scale runs from 0 to 1 for every head, so a pale map is a head that spreads
 # its attention thin, and a dark square one that looks at a single word. The explorer
 # opens on the last layer, head 0.

@@ -19,7 +19,7 @@ Transformer, is here, in the order a run meets it:
    checkpoint, bit for bit on a CPU but for later re-plans, which follow the clock. A
    run stopped before its first checkpoint starts over, with a fresh plan.
 5. **Averaging** of the last epochs' weights (§6.1 of the paper), and `final.pt`.
-6. **The record** of a run (build/results.json), and the processes of Part 4.
+6. **The record** of a run (build/results.json), and the processes of Part 10.
 
 Nothing here calls the notebook: the loop calls these helpers, so the code a student
 ran is the code that trains. Only DDP's new processes import the notebook's `.py` twin,
@@ -566,7 +566,7 @@ def load_final(folder: Path, model: nn.Module) -> tuple[nn.Module, list] | None:
 
 
 # ---------------------------------------------------------------------------------------
-# 6. The record of a run, and several processes (Part 4)
+# 6. The record of a run, and several processes (Part 10)
 
 
 def run_record(model, history, settings, folder, test_results: dict, device) -> dict:

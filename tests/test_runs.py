@@ -190,3 +190,11 @@ def test_an_epoch_on_a_cpu_reports_no_gpu(quick_data, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "epoch 0: train loss" in out  # the epoch's line is there
     assert "no NVIDIA GPU here" not in out and "memory used / total" not in out
+
+
+def test_an_edit_that_ddp_workers_cannot_see_is_named(monkeypatch):
+    """DDP's workers import the .py twin: Part 10's cell names the notebook's edits they
+    will not train with, instead of looking for their run in the wrong folder."""
+    assert trainer.not_in_twin(lesson_copy(monkeypatch)) == []
+    namespace = edited(monkeypatch, "    d_k = query.size(-1)\n", "    d_k = 2 * query.size(-1)\n")
+    assert trainer.not_in_twin(namespace) == ["attention"]

@@ -257,9 +257,11 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
     criterion = run_loss(settings, data)
+    fused = lambda: at.model_for(settings, vocabs, fused_attention=True)  # noqa: E731
     contenders = {
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
+        "ours_fused": fresh_training(settings, fused, device),  # PyTorch's attention kernel
     }
     if compile_too:
         build = lambda: at.model_for(settings, vocabs)  # noqa: E731
@@ -274,6 +276,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
             else:
                 warmup[name] = seconds * len(batches)
     ours, pytorch = statistics.median(rounds["ours"]), statistics.median(rounds["pytorch"])
+    fused_seconds = statistics.median(rounds["ours_fused"])
     model = contenders["ours"][0]
     step_flops = training_flops(model, settings, batches, vocabs["en"].pad_id) / len(batches)
     return {
@@ -288,6 +291,10 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
         "model_flops_per_step": step_flops,
         "ours_round_step_seconds": rounds["ours"],
         "pytorch_round_step_seconds": rounds["pytorch"],
+        # our model with the lesson's attention() against PyTorch's fused kernel in its place
+        "fused_step_seconds": fused_seconds,
+        "attention_vs_fused_ratio": ours / fused_seconds,
+        "fused_round_step_seconds": rounds["ours_fused"],
         **(
             {
                 "compiled_step_seconds": statistics.median(rounds["ours_compiled"]),
@@ -698,6 +705,8 @@ def goal_rows(report: dict, device: torch.device) -> list[tuple]:
         row("step, ours", f"{models['ours_step_seconds']:.4f} s"),
         row("step, torch.nn.Transformer", f"{models['pytorch_step_seconds']:.4f} s"),
         row("step ratio ours / PyTorch", f"{ratio:.3f}", "<= 1.10", ratio <= 1.10),
+        row("step, ours with PyTorch's fused attention", f"{models['fused_step_seconds']:.4f} s"),
+        row("step ratio our attention / fused", f"{models['attention_vs_fused_ratio']:.3f}"),
         *(
             [
                 row("step, ours compiled", f"{models['compiled_step_seconds']:.4f} s"),
@@ -779,6 +788,7 @@ def summary(report: dict) -> dict:
     dec, util = report["decoding"], report["utilisation"]
     return {
         "model_vs_pytorch_step_ratio": report["model_vs_pytorch"]["ratio"],
+        "attention_vs_fused_step_ratio": report["model_vs_pytorch"]["attention_vs_fused_ratio"],
         "pipeline_speedup_vs_reference_loop": report["pipeline"]["speedup"],
         "padding_efficiency_ours": report["padding"]["ours"],
         "padding_efficiency_reference": report["padding"]["reference"],

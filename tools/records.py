@@ -492,6 +492,19 @@ def bench_section(records: list[dict]) -> str:
                         f"{duel['ratio']:.2f}",
                         f"≤ 1.10 {'✓' if duel['ratio'] <= 1.10 else '✗'}",
                     ],
+                    *(
+                        [
+                            [
+                                "training step, our `attention` against PyTorch's fused kernel",
+                                f"{duel['ours_step_seconds']:.3f} s",
+                                f"{duel['fused_step_seconds']:.3f} s (`fused_attention=True`)",
+                                f"{duel['attention_vs_fused_ratio']:.2f}",
+                                "",
+                            ]
+                        ]
+                        if "fused_step_seconds" in duel
+                        else []
+                    ),
                     [
                         "model FLOPs per second in training, against one large `torch.mm` (MFU)",
                         f"{use['model_flops_per_second'] / 1e9:.1f} G, {use['mfu']:.0%}",
