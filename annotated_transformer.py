@@ -3215,10 +3215,10 @@ def batches_for(pairs, pad_id, settings, device, *, epoch=0, rank=0, world_size=
 
 
 # %% [markdown]
-# The loop. `model_for` builds a model of the preset's size; on a GPU you may pass
-# `fused_attention=True` there, and PyTorch's fused kernel then stands in for our
-# `attention`. The two lines under "Part 10" matter only when several processes train
-# together, at the end of the notebook.
+# The loop. `model_for` builds a model of the preset's size; with `fused_attention=True`,
+# PyTorch's fused kernel replaces our `attention`. On a CPU it made no measurable
+# difference to the `cpu` preset's training step ([benchmarks](results/README.md#benchmarks)),
+# on a GPU it may. The two lines under "Part 10" matter only for several processes.
 
 
 # %%

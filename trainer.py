@@ -263,6 +263,7 @@ def choose_precision(settings, device, model: nn.Module, batch, world_size: int 
 # 3. The plan
 
 TIMED_STEPS = (3, 23)  # a planned run times optimizer steps 3 to 23 (the first two warm up)
+NO_END_YET = 10**9  # the schedule's end while a planned run has yet to time its steps
 MIN_USEFUL_EPOCHS = 3  # a planned run of fewer epochs gets a warning
 
 
@@ -374,7 +375,13 @@ class Run:
         return autocast_for(device, self.plan.precision)()
 
     def planned_steps(self) -> int:
-        """Where the linear schedule reaches zero: read at every step, so a re-plan moves it."""
+        """Where the linear schedule reaches zero: read at every step, so a re-plan moves it.
+
+        A run planned to the clock has no end until its first steps are timed: until then
+        the end is far away, so the rate does not start to fall towards a guess.
+        """
+        if self.plan.train_minutes is not None and not self.plan.made:
+            return NO_END_YET
         return self.plan.steps
 
     def resume(self, model, optimizer, schedule, state):
@@ -439,9 +446,12 @@ class Run:
         if step == first or self.timer is None:
             self.timer = (step, time.perf_counter(), self.tokens)
         timed_from, since, tokens_before = self.timer
-        ends = self.done == self.epoch_batches  # a short epoch: plan from what was timed
-        if step > timed_from and (step >= last or (ends and step > first)):
-            seconds, tokens = time.perf_counter() - since, self.tokens - tokens_before
+        ends = self.done == self.epoch_batches  # a short first epoch: plan at its end
+        if step >= last or ends:
+            if step == timed_from:  # nothing timed since the timer started: the whole epoch
+                timed_from, since, tokens_before = 1, self.clock, 0
+            seconds = max(time.perf_counter() - since, 1e-9)
+            tokens = self.tokens - tokens_before
             per_epoch = self.epoch_tokens * seconds / max(tokens, 1)  # training only, as yet
             plan = epochs_that_fit(self.plan, per_epoch, done=0, spent=0.0)
             made = time.strftime("%Y-%m-%d %H:%M")

@@ -181,7 +181,7 @@ def third_party_imports() -> set[str]:
         "\n".join(line for line in s.splitlines() if not line.lstrip().startswith(("%", "!")))
         for s in sources
     ]
-    sources += [(ROOT / name).read_text() for name in ("plumbing.py", "trainer.py")]
+    sources += [(ROOT / name).read_text() for name in ("plumbing.py", "presets.py", "trainer.py")]
     found = set()
     for source in sources:
         tree = ast.parse(source)
@@ -195,7 +195,7 @@ def third_party_imports() -> set[str]:
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 found.add(node.module.split(".")[0])
-    local = {"plumbing", "trainer", "annotated_transformer"}
+    local = {"plumbing", "presets", "trainer", "annotated_transformer"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 

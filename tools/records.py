@@ -163,11 +163,12 @@ def performance_summary(records: list[dict]) -> str:
     """README.md's block: which model the benchmark measured, and its main figures."""
     current = newest_run(records, "cpu")
     lines = []
-    for r in [r for r in records if r["kind"] == "bench"]:
+    benches = [r for r in records if r["kind"] == "bench"]
+    for r in sorted(benches, key=lambda r: r["machine"].get("utc", ""))[-1:]:  # the newest
         b = r["bench"]
         duel = b["model_vs_pytorch"]
         text = (
-            f"The benchmark on record ran at commit `{r['commit']}` on a "
+            f"The newest benchmark on record ran at commit `{r['commit']}` on a "
             f"{r['machine']['short']}, with that commit's `{r['preset']}` preset: a model of "
             f"{duel['ours_parameters']:,} parameters"
         )
