@@ -52,7 +52,7 @@ run: setup
 test: setup
 	rm -rf build/smoke/data/checkpoints  # every test run trains the code it tests
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke AT_DATA_DIR=build/smoke/data $(PY) -m pytest tests $(NOTEBOOK) --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=900 -q
+		--nbval-cell-timeout=900 -q --durations=15
 
 # The numerically sensitive tests (marked `numerics`) under other kernel sets, each of which
 # rounds differently, as another CPU would; the tests must hold under all of them:

@@ -185,12 +185,15 @@ def test_the_gpu_row_says_it_is_not_measured_until_a_gpu_record_exists():
     assert row.startswith("| `gpu` on a H100 |") and "(results/make-run-gpu.json)" in row
 
 
-def test_the_benchmark_says_which_model_it_measured():
-    (bench,) = [r for r in records.load_records() if r["kind"] == "bench"]
+def test_the_readme_quotes_the_newest_benchmark_and_the_model_it_measured():
+    benches = [r for r in records.load_records() if r["kind"] == "bench"]
+    bench = max(benches, key=lambda r: r["machine"]["utc"])
     parameters = f"{bench['bench']['model_vs_pytorch']['ours_parameters']:,}"
     readme = records.README.read_text(encoding="utf-8")
     block = readme.split("<!-- records:performance -->")[1].split("<!-- /records:performance")[0]
     assert f"a model of {parameters} parameters" in block and f"`{bench['commit']}`" in block
+    older = [r for r in benches if r is not bench]
+    assert all(f"`{r['commit']}`" not in block for r in older)  # one paragraph, the newest
 
 
 def test_settings_changed_names_only_the_differences():
