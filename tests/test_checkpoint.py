@@ -298,21 +298,24 @@ def ending_at(steps, ends: list[int], k: int, end_id: int):
 @pytest.mark.numerics
 def test_the_cache_follows_greedy_and_beam_search(decoding):
     """Sentences that end at different steps (constructed, not left to training): at every
-    step of greedy (beam 1) and beam 4 search, the cache, re-ordered as the beams move,
-    gives the full recompute's log-probabilities."""
+    step of greedy decoding, and of beam search with one beam and with four, the cache,
+    re-ordered as the beams move, gives the full recompute's log-probabilities."""
     model, data = decoding
     en = data.vocabs["en"]
     src = at.collate(data.val, list(range(20)), en.pad_id)
     ids = en.special_ids()
     ends = [3 + (7 * b) % 20 for b in range(20)]  # steps 3 .. 22, all different from 30
-    for k in (1, 4):
+    for search_with, k in (("greedy", 1), ("beam", 1), ("beam", 4)):
         record = []
         steps = ending_at(lockstep(record), ends, k, en.eos_id)
-        out = at.beam_search(
-            model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, scorer=steps
-        )
+        if search_with == "greedy":  # translate's path for one beam
+            out = at.greedy_decode(model, src.src, src.src_mask, 30, ids=ids, scorer=steps)
+        else:
+            out = at.beam_search(
+                model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, scorer=steps
+            )
         (search,) = record
-        assert search.steps == max(ends) + 1 and search.gap < 1e-4, (k, search.gap)
+        assert search.steps == max(ends) + 1 and search.gap < 1e-4, (search_with, k, search.gap)
         assert search.moved == (k > 1), "beam search re-orders the beams, and the cache"
         lengths = (out != en.pad_id).sum(dim=1)  # <s>, the words and </s>
         assert lengths.tolist() == [end + 2 for end in ends]  # ended where constructed
