@@ -1627,7 +1627,8 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 # shifting or the loss shows at once. Its ids:
 #
 # * padding 0, start 1, end 2;
-# * words 3 to 12.
+# * the digits, 3 to 12.
+#
 #
 # Start differs from padding: were they the same, the padding mask would hide the
 # decoder's first input. The first function frames random words with `<s>` and `</s>`.
@@ -2318,7 +2319,7 @@ def compare_vocabularies(tokens: dict, candidates: dict[str, dict]) -> list[dict
 # 2. sort them stably by length, so equal lengths meet new partners;
 # 3. cut the batches and shuffle them, so training does not go from short to long.
 #
-# > The well-known notebook padded every sentence to 72 tokens; on Multi30k, whose
+# > harvardnlp's notebook padded every sentence to 72 tokens; on Multi30k, whose
 # > sentences average about 15 tokens with `<s>` and `</s>`, that makes 20.5% of the
 # > computed tokens real (`make bench` measures it). We measure ours below.
 #

@@ -126,7 +126,8 @@ def test_a_folded_note_in_markdown_holds_its_paragraphs(tmp_path):
     (note,) = page.select("div.jp-RenderedMarkdown details")
     assert note.summary.get_text() == "More"
     assert note.find("strong").get_text() == "Bold" and "second paragraph" in note.get_text()
-    assert note.find("math") is not None  # formulas inside a note become MathML too
+    formula = note.find("math")  # formulas inside a note become MathML too, whole:
+    assert formula.find("msup").get_text() == "x2"  # x, raised to 2, inside the <msup>
     assert "Before the note" not in note.get_text()
 
 

@@ -34,6 +34,7 @@ from plumbing import DataError, write_atomically  # noqa: E402 (the project root
 VEGALITE = re.compile(r"application/vnd\.vegalite\.v\d+[+.]json")
 DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
 INLINE_MATH = re.compile(r"(?<![\\$])\$(?!\$)(.+?)(?<!\\)\$")
+MATH_TOKEN = re.compile(r"MATHTOKEN(\d+)X")
 # Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
 ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\);', re.DOTALL)
 REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
@@ -50,12 +51,21 @@ def image_to_text(match: re.Match) -> str:
     return alt.group(1) if alt else ""
 
 
-def math_to_mathml(markdown: str) -> str:
-    """Replace $$...$$ and $...$ with MathML elements."""
+def math_to_tokens(markdown: str, formulas: list[str]) -> str:
+    """Replace $$...$$ and $...$ with plain tokens, appending each one's MathML to formulas.
+
+    The MathML goes into the page only after nbconvert: its image embedding re-parses a
+    markdown cell's HTML and empties every MathML element it meets, which would leave
+    the formulas' letters as flat text. A token (letters and digits) passes untouched."""
+
+    def token(mathml: str) -> str:
+        formulas.append(mathml)
+        return f"MATHTOKEN{len(formulas) - 1}X"
+
     markdown = DISPLAY_MATH.sub(
-        lambda m: latex_to_mathml(m.group(1).strip(), display="block"), markdown
+        lambda m: token(latex_to_mathml(m.group(1).strip(), display="block")), markdown
     )
-    return INLINE_MATH.sub(lambda m: latex_to_mathml(m.group(1).strip()), markdown)
+    return INLINE_MATH.sub(lambda m: token(latex_to_mathml(m.group(1).strip())), markdown)
 
 
 def chart_html(spec: dict, number: int) -> str:
@@ -137,9 +147,10 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
 
     Images linked from markdown cells are read from paths relative to `base`."""
     notebook = nbformat.read(source, as_version=4)
+    formulas: list[str] = []
     for cell in notebook.cells:
         if cell.cell_type == "markdown":
-            cell.source = math_to_mathml(cell.source)
+            cell.source = math_to_tokens(cell.source, formulas)
     charts = inline_charts(notebook)
     for cell in (c for c in notebook.cells if c.cell_type == "code"):
         # a progress bar that cleared itself leaves only blanks behind
@@ -150,6 +161,7 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
     body = REMOTE_IMAGE.sub(image_to_text, REMOTE_SCRIPT.sub("", body))
+    body = MATH_TOKEN.sub(lambda m: formulas[int(m.group(1))], body)
     body = fold_markdown_notes(fold_hidden_inputs(body))
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
