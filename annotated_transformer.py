@@ -264,8 +264,6 @@ class TokenEmbedding(nn.Module):
 #   was trained on.
 #
 # Dropout is applied to the sum.
-#
-#
 
 
 # %%
@@ -615,9 +613,8 @@ class ResidualSublayer(nn.Module):
 #
 # Every layer's sizes travel in one record, whose defaults are the paper's base model.
 # An encoder layer wraps its two sub-layers in residual connections, and the encoder
-# stacks $N$ of them, with a final LayerNorm only when pre-norm.
-#
-#
+# stacks $N$ of them, with a final LayerNorm only when pre-norm, whose last sum is
+# otherwise never normalised.
 
 
 # %%
@@ -817,8 +814,6 @@ class EncoderDecoder(nn.Module):
 # >   embedding layers and the pre-softmax linear transformation". We can share the
 # >   target embedding with the generator, and the source embedding too when both
 # >   languages have one vocabulary ("Sub-words", Part 4).
-#
-#
 
 
 # %%
@@ -849,8 +844,7 @@ def make_model(src_vocab: int, tgt_vocab: int, config: ModelConfig | None = None
 
 
 # %% [markdown]
-# Counting parameters: `model.parameters()` yields a tied matrix once, so it is counted
-# once.
+# Counting parameters: `model.parameters()` yields a tied matrix only once.
 
 
 # %%
@@ -860,7 +854,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # %% [markdown]
-# With vocabularies the size of ours (about 8,000 German and 6,000 English words), the
+# With vocabularies the size of ours (about 8,000 German and 6,000 English), the
 # base model's two embedding tables hold about a seventh of its parameters. The paper
 # reports 65 million, with a 37,000-token shared vocabulary.
 
@@ -1564,8 +1558,6 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 #
 # The check compares your answer with the highest rate over the first
 # $3 \times warmup\_steps$ steps.
-#
-#
 
 # %% active="ipynb" tags=["starter"]
 # def peak_of_rate(d_model: int, warmup: int) -> tuple[int, float]:
@@ -1629,7 +1621,6 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 # * padding 0, start 1, end 2;
 # * the digits, 3 to 12.
 #
-#
 # Start differs from padding: were they the same, the padding mask would hide the
 # decoder's first input. The first function frames random words with `<s>` and `</s>`.
 
@@ -1661,7 +1652,6 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 #
 # * two layers of width 64, with four heads and a feed-forward width of 128, and no
 #   dropout;
-#
 # * Adam with a 100-step warm-up, then `linear_rate`'s line to zero (with the paper's
 #   decay, still two fifths of its peak after 600 steps, the loss jumped up and down to
 #   the end);
@@ -1960,7 +1950,6 @@ def cached_tokens(split: str, pairs, tokenizers, data_dir: Path = DATA_DIR) -> d
 #
 # Four special tokens come first:
 #
-#
 # | token | role |
 # |---|---|
 # | `<s>` | start of sentence: the decoder's first input |
@@ -2155,8 +2144,6 @@ def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
 # it agrees with ours). The merges are learned on both languages together, so one
 # vocabulary serves both, as in the paper: names and shared words like "Jeans" split
 # alike.
-#
-#
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
@@ -2515,7 +2502,6 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # **4.2 What sorting by length saves.** Write `random_batches`, which cuts batches in a
 # random order under the same token budget (padding included), and compare its padding
 # efficiency with that of sorted batches on the full training split.
-#
 #
 # The check wants each pair once, every batch in budget, and worse efficiency than
 # sorting.
@@ -2907,8 +2893,8 @@ class CachedPrefix(FullPrefix):
 # * cpu trains 3.1 million parameters for 16 minutes: four layers of width 128 and 4
 #   heads. Its other choices were weighed on the validation split ([What matters in a
 #   short run](#What-matters-in-a-short-run)): pre-norm layers, small batches, word
-#   vocabularies, no averaging, and $\alpha = 1$ in beam search's length penalty (Part
-#   7; the paper: 0.6).
+#   vocabularies, no averaging, and $\alpha = 1$ in beam search's length penalty
+#   (Part 7).
 # * gpu is the paper's base model. On 29,000 sentence pairs its 51 million parameters
 #   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
 #   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus (IWSLT'14 German-English).
@@ -3104,8 +3090,6 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
 # ("Budgeted Training", ICLR 2020) found a rate that falls linearly to zero at the end of
 # the budget "both robust and high-performing". Our linear schedule draws that line
 # after the paper's warm-up and peak.
-#
-#
 
 
 # %%
@@ -3154,7 +3138,6 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # ## Part 7: the trained translator
 #
 # The model is now the finished translator. We try it on sentences
-#
 # with known references, then build a better decoder, beam search, and see what it
 # gains. Then come your own sentences and, last and once, the test set.
 #
@@ -3516,8 +3499,6 @@ MY_SENTENCES = [
 # Do not compare the score with the paper's 27.3 BLEU (base model): that was English
 # into German on news, and ours is German into English on image captions. Part 9 lists
 # the other differences.
-#
-#
 
 # %%
 import time
@@ -3594,9 +3575,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # ## Part 8: looking inside, attention heatmaps
 #
 # Why look? The attention weights are the one part of the model that reads like a
-# table: for each word, how much it used every other word. They do not explain a choice
-# (see below), but they show whether the model learned structure, such as which
-# German word an English word comes from.
+# table: for each word, how much it used every other word. They do not explain a
+# choice, but they show whether the model learned structure, such as which German word
+# an English word comes from.
 #
 # Each attention head computes a matrix of weights: row $i$ says how much query position
 # $i$ draws from each key position. We translate one German sentence greedily, then run
@@ -3612,7 +3593,6 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 #   attention;
 # * an unknown word, which arrives as `<unk>`;
 # * a long sentence, to see whether the heads spread their attention thinner.
-#
 #
 # For each kind of attention we get one tensor per layer, (h, T_q, T_k). Rows are what a
 # word looks from, columns what it looks at: a bright cell off the diagonal is a word
@@ -3856,7 +3836,6 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #
 # Where our cpu model differs:
 #
-#
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
@@ -3890,7 +3869,6 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #    their dropout differs), then wrap it in DDP (the line marked "Part 10" in `train`);
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
 #    $W$ (the line marked "Part 10" in the batching helper);
-#
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
 # 4. each divides its loss by a $W$-th of the step's tokens on all ranks,
 #    so DDP's average is no mean of means.
@@ -3926,8 +3904,6 @@ def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[
 # %% [markdown]
 # `ddp_epoch` is `run_epoch` for one rank, with changes 3 and 4 and the schedule's $W$
 # steps, numbered in comments; `train` makes changes 1 and 2 before calling it.
-#
-#
 
 # %%
 from plumbing import sum_over_ranks  # an all-reduce of a few numbers (one process: as is)
