@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import json
 import math
@@ -74,8 +75,10 @@ def lesson_code(namespace: dict) -> dict[str, str]:
 
     The lesson is what the notebook's `.py` twin defines at its top level (the exercises'
     answers and the demonstrations are not), plus any function or class of `namespace`
-    that those use, taken from `namespace` as it is now: an edited cell counts. Syntax
-    trees, not text, so a changed comment keeps the hash.
+    that those use, taken from `namespace` as it is now: an edited cell counts. A name
+    that `namespace` lacks yet (a cell below the training cell, not run so far) counts as
+    the twin writes it, so a run is named alike before and after Run All. Syntax trees,
+    not text, so a changed comment keeps the hash.
     """
     module = namespace.get("__name__")
     own = {
@@ -84,14 +87,24 @@ def lesson_code(namespace: dict) -> dict[str, str]:
         if getattr(value, "__module__", None) == module
         and (inspect.isfunction(value) or isinstance(value, type))
     }
-    todo = sorted(_twin_names() or own)
+    twin_names = _twin_names()
+    todo, twin = sorted(twin_names or own), None
     names: dict[str, str] = {}
     while todo:
         name = todo.pop()
-        if name in names or name not in namespace:
+        if name in names:
             continue
-        value = namespace[name]
-        if name in own:
+        if name in namespace:
+            value, defined = namespace[name], name in own
+        elif name in twin_names:  # a cell below the one running now: the twin's, as written
+            twin = twin or vars(importlib.import_module("annotated_transformer"))
+            value = twin[name]
+            defined = getattr(value, "__module__", None) == "annotated_transformer" and (
+                inspect.isfunction(value) or isinstance(value, type)
+            )
+        else:
+            continue
+        if defined:
             names[name] = fingerprint(_source_of(value))
             todo += sorted(n for n in _names_used(value) if n in own)
         elif name.isupper() and isinstance(value, int | float | str | bool | tuple):

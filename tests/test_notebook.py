@@ -275,9 +275,10 @@ def test_no_cell_assigns_a_name_that_a_function_or_class_has():
 
 def test_the_notebook_and_its_twin_train_in_the_same_folder():
     """Training finds a run by a fingerprint of the lesson's code: the notebook's cells,
-    run as a kernel runs them, and the imported twin must agree, or a model trained by
-    `make run` would never be found by the tools (and DDP's workers, which import the
-    twin, would train into another folder than the notebook reads)."""
+    run as a kernel runs them (up to the training cell, and all of them), and the imported
+    twin must agree, or a model trained by `make run` would never be found by the tools
+    or by a rerun of the training cell (and DDP's workers, which import the twin, would
+    train into another folder than the notebook reads)."""
     from IPython.core.interactiveshell import InteractiveShell
 
     import annotated_transformer
@@ -285,11 +286,16 @@ def test_the_notebook_and_its_twin_train_in_the_same_folder():
 
     shell = InteractiveShell.instance()
     try:
+        at_training = None  # as the training cell sees it, before the cells below have run
         for cell in jupytext.read(NOTEBOOK).cells:
+            if "trainer.load_final" in cell.source:
+                at_training = trainer.lesson_code(shell.user_ns)
             if cell.cell_type == "code" and cell.metadata.get("active") != "ipynb":
                 assert shell.run_cell(cell.source, silent=True).success, cell.source[:60]
         notebook = trainer.lesson_code(shell.user_ns)
-        assert "attention" in notebook and "train" in notebook
+        assert "attention" in notebook and "train" in notebook and "beam_search" in notebook
+        assert at_training is not None, "no training cell found"
+        assert at_training == notebook, "a rerun after Run All would train anew"
         assert notebook == trainer.lesson_code(vars(annotated_transformer))
         shell.run_cell("def attention(*, query, key, value, mask=None, dropout=None): pass")
         edited = trainer.lesson_code(shell.user_ns)  # an edit counts, and only the edit
