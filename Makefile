@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOK := annotated_transformer.ipynb
+# The Chinese edition, built from the English one and locale/zh_CN (`make translations`).
+NOTEBOOK_ZH := annotated_transformer.zh-CN.ipynb
 # The notebook's kernel: a name of its own, so it is never confused with another python3.
 KERNEL := annotated-transformer
 KERNEL_DISPLAY := Annotated Transformer (.venv)
@@ -23,7 +25,7 @@ TORCH_INDEX ?=
 # The tests whose numbers depend on the CPU's kernels, run again under other kernel sets.
 NUMERICS_TESTS := -m numerics tests
 
-.PHONY: setup kernel lab run test test-numerics test-compat bench html lint sync clean
+.PHONY: setup kernel lab lab-zh run test test-numerics test-compat bench html lint translations sync clean
 
 setup: $(STAMP)
 
@@ -41,6 +43,11 @@ kernel: setup
 
 lab: setup
 	$(PY) -m jupyterlab $(NOTEBOOK) $(ALLOW_ROOT)
+
+# The Chinese edition (a target of its own: `make lab LANG=…` would collide with the locale
+# variable LANG, which every shell sets).
+lab-zh: setup
+	$(PY) -m jupyterlab $(NOTEBOOK_ZH) $(ALLOW_ROOT)
 
 run: setup
 	$(PY) tools/run_notebook.py $(NOTEBOOK) build/$(NOTEBOOK)
@@ -89,6 +96,12 @@ html: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/translations.py check
+
+# After editing the English prose: update the catalogue (msgmerge; needs GNU gettext) and
+# rebuild the Chinese notebook; then translate the entries that `make lint` names.
+translations: setup
+	$(PY) tools/translations.py update
 
 # After editing either file: make the other one match (the newer one wins).
 sync: setup
