@@ -27,7 +27,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +166,8 @@ def gettext(*args: str) -> None:
 
 
 def update(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path = CHINESE):
-    """Extract the POT, merge it into the catalogue (created the first time), rebuild."""
+    """Extract the POT, merge it into the catalogue (created the first time, by msginit),
+    and rebuild the Chinese notebook."""
     POT.parent.mkdir(parents=True, exist_ok=True)
     make_pot(load(english)).save(str(POT))
     if not catalogue.exists():
@@ -176,9 +176,13 @@ def update(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path =
             "msginit", "--no-translator", "--locale=zh_CN.UTF-8",
             f"--input={POT}", f"--output-file={catalogue}",
         )  # fmt: skip
+    # Not `--update`, which leaves the file as it is when only its layout would change (after
+    # polib wrote it, for example): always write gettext's own layout.
+    merged = catalogue.with_suffix(".merged")
     gettext(
-        "msgmerge", "--quiet", "--update", "--previous", "--backup=none", str(catalogue), str(POT)
+        "msgmerge", "--quiet", "--previous", f"--output-file={merged}", str(catalogue), str(POT)
     )
+    merged.replace(catalogue)
     build(english, catalogue, chinese)
 
 
@@ -392,9 +396,7 @@ def merge_chunks() -> None:
             target.flags = [f for f in target.flags if f != "fuzzy"]
             target.previous_msgid = target.previous_msgctxt = None
             copied += 1
-    with tempfile.TemporaryDirectory() as tmp:
-        po.save(str(Path(tmp) / "merged.po"))
-        shutil.copy(Path(tmp) / "merged.po", CATALOGUE)
+    po.save(str(CATALOGUE))  # in polib's layout until update() has msgmerge rewrite it
     print(f"copied {copied} translations into {CATALOGUE.relative_to(ROOT)}")
     update()
 
