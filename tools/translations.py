@@ -288,9 +288,14 @@ def problems(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path
             found.append(f"{'/'.join(lost)} differ: {name}: keep the English's spans as they are")
     current = {(e.msgctxt, e.msgid) for e in po if not e.obsolete}
     expected = {(e.msgctxt, e.msgid) for e in make_pot(nb)}
-    if current != expected:
-        n = len(expected - current) + len(current - expected)
-        found.append(f"the catalogue is behind the English notebook ({n} entries differ)")
+    for ctxt, msgid in sorted(expected - current, key=lambda k: index.get(k[0], -1)):
+        words = " ".join(msgid.split()[:8])
+        found.append(
+            f'not in the catalogue: msgctxt "{ctxt}" (cell {index[ctxt]}) "{words} …": '
+            "the English is new or changed"
+        )
+    if current - expected:
+        found.append(f"{len(current - expected)} entries' English is gone from the notebook")
     if not chinese.exists() or chinese.read_text(encoding="utf-8") != build_text(
         english, catalogue
     ):
