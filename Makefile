@@ -54,6 +54,7 @@ run: setup
 	$(MAKE) --no-print-directory html
 	@echo "executed notebook: $(CURDIR)/build/$(NOTEBOOK)"
 	@echo "page (offline):    $(CURDIR)/build/annotated_transformer.html"
+	@echo "中文版 (offline):  $(CURDIR)/build/annotated_transformer.zh-CN.html"
 	@echo "results:           $(CURDIR)/build/results.json"
 
 test: setup
@@ -89,9 +90,13 @@ test-compat: setup
 bench: setup
 	$(PY) tools/bench.py
 
+# Both pages from one run: the Chinese notebook's code is the English code, so it takes the
+# executed English notebook's outputs, cell by cell by id.
 html: setup
 	@test -f build/$(NOTEBOOK) || { echo "build/$(NOTEBOOK) is missing: run 'make run' first"; exit 1; }
 	$(PY) tools/export_html.py build/$(NOTEBOOK) build/annotated_transformer.html
+	$(PY) tools/translations.py outputs build/$(NOTEBOOK) build/$(NOTEBOOK_ZH)
+	$(PY) tools/export_html.py build/$(NOTEBOOK_ZH) build/annotated_transformer.zh-CN.html
 
 lint: setup
 	$(VENV)/bin/ruff check .

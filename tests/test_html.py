@@ -1,7 +1,9 @@
-"""The teaching page: exported offline, every chart renders in headless Chromium."""
+"""The teaching pages, English and Chinese: exported offline, every chart renders in headless
+Chromium, and the Chinese page draws its text with real glyphs, not missing-glyph boxes."""
 
 import base64
 import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -13,6 +15,7 @@ from conftest import DATA_AT_START, EXECUTED, ROOT, files_under, run_smoke_noteb
 
 sys.path.insert(0, str(ROOT / "tools"))
 import export_html  # noqa: E402
+import translations  # noqa: E402
 from lab_browser import CHROMIUM, CHROMIUM_FLAGS, offline_page  # noqa: E402
 
 BUILD = ROOT / "build" / "smoke"
@@ -195,15 +198,52 @@ def test_no_output_holds_a_traceback(page):
     assert [t for t in texts if "Traceback" in t] == []
 
 
+def assert_self_contained(text: str) -> None:
+    """The page's text loads nothing from the network and carries the chart libraries."""
+    assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
+    assert not re.search(r'<img[^>]*src="https?://', text), "an image would need the network"
+    assert "@font-face" not in text, "a web font would need the network or bloat the page"
+    assert "window.vegaEmbed" in text and "<math" in text
+    assert text.count('<details class="folded-code">') >= 10  # solutions, one click away
+
+
 @pytest.mark.slow
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
     assert charts == len(export_html.chart_specs(notebook)) == 10
-    assert not re.search(r'<script[^>]*src="https?://', text), "a script would need the network"
-    assert not re.search(r'<img[^>]*src="https?://', text), "an image would need the network"
-    assert "window.vegaEmbed" in text and "<math" in text
-    assert text.count('<details class="folded-code">') >= 10  # solutions, one click away
+    assert_self_contained(text)
+    assert '<html lang="en">' in text
+
+
+@pytest.fixture(scope="module")
+def zh_page(page, tmp_path_factory):
+    """The Chinese page as `make html` builds it: the Chinese notebook with the English run's
+    outputs copied by cell id (the code is the same), exported by the same exporter.
+    (notebook, html path, charts)."""
+    english, _, _ = page
+    notebook = translations.with_outputs(translations.load(translations.CHINESE), english)
+    executed = tmp_path_factory.mktemp("zh") / "executed.zh-CN.ipynb"
+    executed.write_text(translations.dump(notebook), encoding="utf-8")
+    html = BUILD / "annotated_transformer.zh-CN.html"
+    charts = export_html.export(executed, html)
+    return nbformat.read(executed, as_version=4), html, charts
+
+
+@pytest.mark.slow
+def test_the_chinese_page_is_self_contained_and_says_its_language(page, zh_page):
+    english, _, english_charts = page
+    notebook, html, charts = zh_page
+    text = html.read_text(encoding="utf-8")
+    assert charts == english_charts == len(export_html.chart_specs(notebook))
+    assert export_html.chart_specs(notebook) == export_html.chart_specs(english)
+    assert_self_contained(text)
+    assert '<html lang="zh-CN">' in text
+    fonts = '"Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif'
+    assert f"--jp-content-font-family: {fonts};" in text
+    assert "<summary>显示代码</summary>" in text
+    prose = BeautifulSoup(text, "html.parser").select_one("div.jp-RenderedMarkdown").get_text()
+    assert re.search(r"[\u4e00-\u9fff]", prose), "the first markdown cell is not in Chinese"
 
 
 def explorers(notebook) -> list[dict]:
@@ -301,3 +341,81 @@ def test_explorer_menus_redraw_the_chart_offline(page):
         assert len(after) == len(before) > 0 and after != before
         assert blocked == [], "the page reached for the network"
     assert (BUILD / "explorer_last_head.png").stat().st_size > 5_000
+
+
+# Each distinct character of the prose, drawn on a canvas in the prose's font, against the
+# drawing of U+10FFFD, a private-use code point that no font has. A character that no
+# installed font has is drawn as that same missing-glyph box (.notdef), pixel for pixel:
+# without a CJK font (Debian's fonts-noto-cjk) every Chinese character is, and this fails.
+# (document.fonts.check could not fail here: it answers true for any font that is not a
+# web font, installed or not.)
+MISSING_GLYPHS = """(selector) => {
+    const prose = [...document.querySelectorAll(selector)];
+    const text = prose.map(element => element.innerText).join("");
+    const characters = [...new Set(text.replace(/[\\s\\x00-\\x7f]/gu, ""))];
+    const font = "32px " + getComputedStyle(prose[0]).fontFamily;
+    const canvas = Object.assign(document.createElement("canvas"), {width: 48, height: 48});
+    const context = canvas.getContext("2d", {willReadFrequently: true});
+    const draw = (character) => {
+        context.clearRect(0, 0, 48, 48);
+        context.font = font;
+        context.fillText(character, 4, 36);
+        return context.getImageData(0, 0, 48, 48).data.join();
+    };
+    const box = draw("\\u{10FFFD}");
+    return {font, characters: characters.length, missing: characters.filter(c => draw(c) === box)};
+}"""
+CJK_STACK = {"Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei"}  # the page's font stack
+
+
+def cjk_font_installed() -> bool:
+    """Whether fontconfig (where Chromium finds fonts on Linux) has a font of the stack."""
+    if shutil.which("fc-list") is None:
+        return False
+    families = subprocess.run(["fc-list", ":", "family"], capture_output=True, text=True).stdout
+    return any(name in families for name in CJK_STACK)
+
+
+def platform_fonts(browser, selector: str) -> dict[str, int]:
+    """The fonts that Chromium drew an element's own text with, as DevTools reports them:
+    family -> glyphs. A character that the page's fonts lack is drawn by a fallback font."""
+    cdp = browser.context.new_cdp_session(browser)
+    cdp.send("DOM.enable")
+    cdp.send("CSS.enable")
+    root = cdp.send("DOM.getDocument")["root"]["nodeId"]
+    node = cdp.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+    fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+    return {font["familyName"]: font["glyphCount"] for font in fonts}
+
+
+@pytest.mark.slow  # and drives Chromium
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
+def test_the_chinese_page_draws_every_chart_and_every_glyph_offline(zh_page):
+    """With the network cut, the Chinese page draws as many charts as the English page, logs
+    nothing, and draws its prose with real glyphs: no missing-glyph box, and its Part 1
+    heading in a font of the page's CJK stack. Screenshots of its top and of Part 1."""
+    _, html, charts = zh_page
+    console: list[str] = []
+    with offline_page(height=1000) as (browser, blocked):
+        browser.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
+        browser.on("pageerror", lambda error: console.append(f"error: {error}"))
+        browser.goto(html.as_uri())
+        drawn = "document.querySelectorAll('svg.marks').length"
+        browser.wait_for_function(f"{drawn} >= {charts}", timeout=60_000)
+        rendered = browser.evaluate(drawn)
+        glyphs = browser.evaluate(MISSING_GLYPHS, "div.jp-RenderedMarkdown")
+        browser.screenshot(path=BUILD / "zh_top.png")
+        heading = "h2:has(> a[id='Part-1:-the-model'])"
+        fonts = platform_fonts(browser, heading)
+        browser.locator(heading).evaluate("h => h.scrollIntoView()")
+        browser.screenshot(path=BUILD / "zh_part1.png")
+    assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {console}"
+    assert console == [], f"the page logged: {console}"
+    assert blocked == [], "the page reached for the network"
+    assert glyphs["characters"] > 500, glyphs  # the page's prose is Chinese
+    if glyphs["missing"] and not cjk_font_installed():  # under CI=true, a failure
+        pytest.skip("no CJK font is installed: apt-get install fonts-noto-cjk")
+    assert glyphs["missing"] == [], f"drawn as missing-glyph boxes in {glyphs['font']}: {glyphs}"
+    assert fonts and set(fonts) <= CJK_STACK, f"Part 1's heading was drawn in {fonts}"
+    for shot in ("zh_top.png", "zh_part1.png"):
+        assert (BUILD / shot).stat().st_size > 20_000  # a blank page compresses to under 10 kB

@@ -70,6 +70,34 @@ def test_the_committed_chinese_notebook_is_what_the_build_makes():
     )
 
 
+def test_the_chinese_notebook_takes_an_english_runs_outputs_by_cell_id(tmp_path):
+    """`make html` trains once: the Chinese page shows the English run's outputs, each in the
+    cell of the same id; a run of other code (the English changed since) is refused."""
+    executed = tr.load(tr.ENGLISH)
+    code = [c for c in executed["cells"] if c["cell_type"] == "code"]
+    for number, cell in enumerate(code, start=1):
+        cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": [cell["id"]]}]
+        cell["execution_count"] = number
+    (tmp_path / "executed.ipynb").write_text(tr.dump(executed), encoding="utf-8")
+    tr.outputs(tmp_path / "executed.ipynb", tmp_path / "zh.ipynb")
+    chinese, built = tr.load(tr.CHINESE), tr.load(tmp_path / "zh.ipynb")
+    for zh, cell in zip(chinese["cells"], built["cells"], strict=True):
+        if cell["cell_type"] == "code":
+            assert cell["outputs"][0]["text"] == [cell["id"]] and cell["execution_count"]
+            cell = {**cell, "outputs": [], "execution_count": None}
+        assert cell == zh  # nothing else changes: the prose stays Chinese
+    code[3]["source"] = ["changed = True\n"]
+    with pytest.raises(ValueError, match=f"cells {code[3]['id']}.*make run"):
+        tr.with_outputs(chinese, executed)
+    executed["cells"].remove(code[3])  # a cell removed since the run
+    with pytest.raises(ValueError, match=f"cells {code[3]['id']}"):
+        tr.with_outputs(chinese, executed)
+    executed = tr.load(tr.ENGLISH)
+    executed["cells"].append({**code[3], "id": "new-cell"})  # a cell added since the run
+    with pytest.raises(ValueError, match="added or removed"):
+        tr.with_outputs(chinese, executed)
+
+
 def test_an_empty_catalogue_builds_the_english_notebook_byte_for_byte(tmp_path):
     tr.make_pot(tr.load(tr.ENGLISH)).save(str(tmp_path / "empty.po"))
     english = tr.load(tr.ENGLISH)

@@ -8,6 +8,10 @@ images that markdown cells link by a relative path (figures/*.svg) become data: 
 images from the network (a badge) become their alt text, and the code of cells tagged
 `hide-input` is folded into a <details> block ("show code").
 
+The page's language is the notebook's `lang` metadata (the Chinese edition says `zh-CN`),
+else English: `<html lang>`, the fold's label, and for Chinese a CJK font stack of fonts
+the reader's system has (no web font: the page stays offline and small).
+
     python tools/export_html.py build/annotated_transformer.ipynb build/annotated_transformer.html
 """
 
@@ -43,6 +47,14 @@ LOCAL_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="(?![a-zA-Z][a-zA-Z0-9+.-]*:)([^"]*
 # An <img> from the network (the Colab badge): offline it would be a broken image.
 REMOTE_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="https?://[^"]*"[^>]*>')
 ALT = re.compile(r'\salt="([^"]*)"')
+# What the page says in each edition's language: the label of a folded cell and, for
+# Chinese, the fonts of its prose and interface (code keeps JupyterLab's monospace stack).
+SHOW_CODE = {"en": "show code", "zh-CN": "显示代码"}
+CJK_FONTS = '"Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif'
+FONTS = {
+    "zh-CN": f"<style>:root {{ --jp-ui-font-family: {CJK_FONTS}; "
+    f"--jp-content-font-family: {CJK_FONTS}; }}</style>\n"
+}
 
 
 def image_to_text(match: re.Match) -> str:
@@ -109,7 +121,7 @@ def inline_charts(notebook) -> int:
     return count
 
 
-def fold_hidden_inputs(body: str) -> str:
+def fold_hidden_inputs(body: str, label: str = SHOW_CODE["en"]) -> str:
     """Put the code of every cell tagged hide-input inside <details>: one click away.
 
     nbconvert's lab template gives such a cell the class celltag_hide-input."""
@@ -120,7 +132,7 @@ def fold_hidden_inputs(body: str) -> str:
             continue
         details = page.new_tag("details", attrs={"class": "folded-code"})
         summary = page.new_tag("summary")
-        summary.string = "show code"
+        summary.string = label
         code.wrap(details)
         details.insert(0, summary)
     return str(page)
@@ -147,6 +159,7 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
 
     Images linked from markdown cells are read from paths relative to `base`."""
     notebook = nbformat.read(source, as_version=4)
+    lang = notebook.metadata.get("lang", "en")
     formulas: list[str] = []
     for cell in notebook.cells:
         if cell.cell_type == "markdown":
@@ -162,7 +175,9 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
     body = REMOTE_IMAGE.sub(image_to_text, REMOTE_SCRIPT.sub("", body))
     body = MATH_TOKEN.sub(lambda m: formulas[int(m.group(1))], body)
-    body = fold_markdown_notes(fold_hidden_inputs(body))
+    body = fold_markdown_notes(fold_hidden_inputs(body, SHOW_CODE.get(lang, SHOW_CODE["en"])))
+    body = body.replace('<html lang="en">', f'<html lang="{lang}">', 1)
+    body = body.replace("</head>", f"{FONTS.get(lang, '')}</head>", 1)  # after the lab's CSS
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
     # Vega 5 specs (and vega-embed then warns), so the newest Vega-Lite compiles them all.
     bundle = vl_convert.javascript_bundle(vl_version=vl_convert.get_vegalite_versions()[-1])
