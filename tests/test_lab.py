@@ -1,4 +1,5 @@
-"""The real client: JupyterLab runs the notebook up to its first chart, with no network."""
+"""The real client: JupyterLab runs each edition, English and Chinese, up to its first chart,
+with no network."""
 
 import shutil
 
@@ -16,9 +17,11 @@ from lab_browser import (
 )
 from playwright.sync_api import expect
 
-NOTEBOOK = "annotated_transformer.ipynb"
-FIRST_CHART = "alt.Chart(pe_frame"  # the positional-encoding chart
-SCREENSHOT = ROOT / "build" / "smoke" / "lab_first_chart.png"
+EDITIONS = {  # notebook -> its screenshot
+    "annotated_transformer.ipynb": ROOT / "build" / "smoke" / "lab_first_chart.png",
+    "annotated_transformer.zh-CN.ipynb": ROOT / "build" / "smoke" / "lab_first_chart.zh-CN.png",
+}
+FIRST_CHART = "alt.Chart(pe_frame"  # the positional-encoding chart (the same code in both)
 
 pytestmark = [
     pytest.mark.slow,  # starts JupyterLab and a browser
@@ -28,14 +31,16 @@ pytestmark = [
 ]
 
 
-def test_jupyterlab_draws_the_first_chart_offline(tmp_path):
+@pytest.mark.parametrize("notebook", EDITIONS)
+def test_jupyterlab_draws_the_first_chart_offline(notebook, tmp_path):
     root = tmp_path / "project"
     root.mkdir()
-    shutil.copy(ROOT / NOTEBOOK, root / NOTEBOOK)  # Lab may save it; never touch ours
+    shutil.copy(ROOT / notebook, root / notebook)  # Lab may save it; never touch ours
+    screenshot = EDITIONS[notebook]
     env = {"AT_PRESET": "smoke", "AT_BUILD_DIR": str(tmp_path / "build")}
     with jupyterlab(root, tmp_path / "home", env=env) as (url, token):
         with offline_page(height=1200) as (page, blocked):
-            open_notebook(page, url, token, NOTEBOOK)
+            open_notebook(page, url, token, notebook)
             kernel = page.locator("[data-jp-item-name='kernelName']")
             expect(kernel).to_have_text("Annotated Transformer (.venv)", timeout=30_000)
             # Select the chart's cell, then Run › Run All Above Selected Cell, then Shift+Enter.
@@ -49,10 +54,10 @@ def test_jupyterlab_draws_the_first_chart_offline(tmp_path):
             page.keyboard.press("Shift+Enter")
             cell.locator(".jp-OutputArea-output svg.marks, canvas.marks").wait_for(timeout=60_000)
             cell.scroll_into_view_if_needed()
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=SCREENSHOT)
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=screenshot)
             assert charts_drawn(page) == 1
             assert error_outputs(page) == []
             assert network_is_cut(page), "Chromium could reach the internet"
             assert all(not u.startswith("http://127.0.0.1") for u in blocked)
-    assert SCREENSHOT.stat().st_size > 20_000  # a blank page compresses to under 10 kB
+    assert screenshot.stat().st_size > 20_000  # a blank page compresses to under 10 kB
