@@ -4,7 +4,9 @@ import shutil
 
 import pytest
 from conftest import ROOT
-from lab_browser import (
+from playwright.sync_api import expect
+
+from tools.lab_browser import (
     CHROMIUM,
     charts_drawn,
     error_outputs,
@@ -14,7 +16,6 @@ from lab_browser import (
     open_notebook,
     wait_idle,
 )
-from playwright.sync_api import expect
 
 NOTEBOOK = "annotated_transformer.ipynb"
 FIRST_CHART = "alt.Chart(pe_frame"  # the positional-encoding chart
