@@ -106,12 +106,9 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 # * pandas and Altair, for tables and charts;
 # * the presets of this project, the settings of a run.
 #
-# Functions take what they need as arguments. Only the example cells share names across
-# parts: `settings` (below), `data` (Part 4) and `model` (Part 6).
-#
-# The cell after the imports makes the charts draw without a network, in JupyterLab,
-# VS Code and the exported page alike. Then run the cells in order, from the top: each
-# builds on those above.
+# Functions take what they need as arguments. The example cells reuse a few names from
+# part to part, `settings`, `data` and `model` most of all. A folded cell after the
+# imports makes the charts draw offline. Run the cells in order, from the top.
 
 # %%
 import contextlib
@@ -137,14 +134,16 @@ from torch import Tensor, nn
 
 from presets import CPU, GPU, PRESETS, SEED, SMOKE, Settings, get_settings  # noqa: F401
 
-# %% active="ipynb"
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input"]
 # # Charts: JupyterLab, VS Code and our HTML export draw Altair's Vega-Lite v5 output with
 # # their own copy of Vega, so charts show offline; Colab is online and draws Altair's HTML.
 # # (Altair 6 writes Vega-Lite v6, which JupyterLab cannot draw yet: see the README.)
 # if "google.colab" not in sys.modules:
-#     if not alt.SCHEMA_VERSION.startswith("v5"):
-#         raise ImportError(f"altair {alt.__version__}: this notebook needs 5.5 (make setup)")
+#     assert alt.SCHEMA_VERSION[:2] == "v5", f"altair {alt.__version__}: 5.5 needed (make setup)"
 #     alt.renderers.enable("mimetype")
+# # Altair refuses data of over 5,000 rows by default; our largest heatmaps hold a few
+# # thousand cells, and an unexpected refusal would only show as a missing chart.
+# alt.data_transformers.disable_max_rows()
 
 # %% [markdown]
 # One seed drives every random choice: the first weights, dropout, the order of batches.
@@ -161,15 +160,12 @@ def set_seed(seed: int) -> None:
 
 # %% active="ipynb"
 # set_seed(SEED)
-# # Altair refuses data of over 5,000 rows by default; our largest heatmaps hold a few
-# # thousand cells, and an unexpected refusal would only show as a missing chart.
-# alt.data_transformers.disable_max_rows()
 
 # %% [markdown]
-# Every setting of a run lives in one record. The next cell picks a *preset*: cpu, a
-# small model that trains in 16 minutes on a laptop, or gpu, the paper's base model, for
-# a GPU; smoke is a toy for the tests. To choose, set `AT_PRESET` before Jupyter starts.
-# Part 6 explains the presets.
+# The next cell picks a *preset*, one record of every setting: cpu, a small model that
+# trains in 16 minutes on a laptop, or gpu, the paper's base model, for a GPU; smoke is
+# a toy for the tests. To choose, set `AT_PRESET` before Jupyter starts. Part 6 explains
+# the presets.
 
 # %% active="ipynb"
 # settings = get_settings()
@@ -190,8 +186,7 @@ def set_seed(seed: int) -> None:
 # positions, weighted by how well they match. The Transformer keeps only the attention:
 # "the first transduction model relying entirely on self-attention to compute
 # representations of its input and output without using sequence-aligned RNNs or
-# convolution." A layer computes all positions at once, and any two words are one layer
-# apart.
+# convolution." A layer computes all positions at once.
 #
 # The price: an average forgets order and blurs detail, paid back with *positional
 # encodings* (order) and *multi-head* attention (several averages side by side).
@@ -205,9 +200,8 @@ def set_seed(seed: int) -> None:
 #
 # The encoder maps the source tokens $(x_1, \ldots, x_n)$ to vectors
 # $z = (z_1, \ldots, z_n)$. The decoder writes the output $(y_1, \ldots, y_m)$ one
-# token at a time, reading $z$ and the tokens written so far. The paper calls this
-# *auto-regressive*: each token the decoder writes becomes its input for the next. We
-# build it bottom-up.
+# token at a time, reading $z$ and the tokens written so far (the paper calls this
+# *auto-regressive*). We build it bottom-up.
 
 # %% [markdown]
 # ### Embeddings (§3.4)
@@ -218,9 +212,8 @@ def set_seed(seed: int) -> None:
 #
 # > Why the scaling? The paper does not say. Its reference code, tensor2tensor, drew
 # > embeddings with a standard deviation of $d_{\text{model}}^{-1/2}$, so the scaling
-# > brought them to about 1, the scale of the positional encodings added next. Ours
-# > start from Xavier's initialisation, like every matrix, so smaller; exercise 1.2
-# > measures how much.
+# > brought them to about 1, the positional encodings' scale. Ours start from Xavier's
+# > initialisation, so smaller; exercise 1.2 measures how much.
 
 
 # %%
@@ -256,12 +249,10 @@ class TokenEmbedding(nn.Module):
 #
 # * **Relative positions.** For any fixed offset $k$, $PE_{pos+k}$ is a linear function
 #   of $PE_{pos}$ (a rotation of each sine-cosine pair), so "the word three places back"
-#   looks the same wherever it happens. That should make relative positions easy to
-#   attend to.
+#   looks the same wherever it happens, which should make it easy to attend to.
 # * **Longer sentences.** Learned position vectors gave "nearly identical results"
-#   (Table 3, row E), but exist only for the positions seen in training. A formula has
-#   a value for every position, so the model may cope with sentences longer than any it
-#   was trained on.
+#   (Table 3, row E), but exist only for positions seen in training; a formula covers
+#   every position, so the model may cope with longer sentences.
 #
 # Dropout is applied to the sum.
 
@@ -288,8 +279,8 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# Four dimensions over the first 100 positions: low dimensions oscillate fast, higher
-# ones slowly, so together they give each position a distinct pattern.
+# Four dimensions over the first 100 positions: the lower-numbered oscillate fast, the
+# higher slowly, giving each position a distinct pattern.
 
 # %% active="ipynb"
 # pe = PositionalEncoding(d_model=20, dropout=0.0)
@@ -318,9 +309,9 @@ class PositionalEncoding(nn.Module):
 # **Queries, keys and values.** Think of a dictionary whose lookups are soft. Each
 # position sends a *query*: what it is looking for. Each position offers a *key*, a label
 # to be matched against queries, and a *value*, what it hands over. A query is compared
-# with every key by a dot product; the better the match, the larger that value's share.
-# A real dictionary returns the one value whose key equals the query; attention returns
-# a blend of all of them, weighted by the softmax of the matches:
+# with every key by a dot product. A real dictionary returns the one value whose key
+# equals the query; attention returns a blend of all of them, weighted by the softmax of
+# the matches:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\left(\frac{QK^T}{\sqrt{d_k}}\right)V$$
 #
@@ -328,12 +319,12 @@ class PositionalEncoding(nn.Module):
 # push the softmax towards one-hot, where its gradient nearly vanishes. Dividing by
 # $\sqrt{d_k}$ undoes that.
 #
-# In the code, a mask is `True` where a query may look at a key. A masked key gets the
-# lowest score there is, so its weight after the softmax is zero.
+# A mask is `True` where a query may look at a key. A masked key gets the lowest score
+# there is, so its weight after the softmax is zero.
 #
-# **Shapes.** In the code's comments, B is the number of sentences in a batch, S and T
-# the lengths of source and target, and T_q and T_k the numbers of queries and keys. A
-# size of 1 is broadcast: a padding mask of (B, 1, S) serves every query alike.
+# **Shapes.** B is the number of sentences in a batch, S and T the lengths of source and
+# target, and T_q and T_k the numbers of queries and keys. A size of 1 is broadcast: a
+# padding mask of (B, 1, S) serves every query alike.
 
 
 # %%
@@ -355,7 +346,7 @@ def attention(
 
 # %% [markdown]
 # A query that matches one key much better than the others puts almost all its weight
-# there; a masked key gets none.
+# there.
 
 # %% active="ipynb"
 # q = torch.tensor([[[10.0, 0.0]]])  # (1, T_q=1, d_k=2)
@@ -369,8 +360,7 @@ def attention(
 # %% [markdown]
 # **Experiment: why divide by $\sqrt{d_k}$.** Random queries and keys, a softmax over 10
 # keys, for a base-model head ($d_k = 64$) and one head of full width ($d_k = 512$).
-# Unscaled, one key takes most of the weight and the gradient shrinks; scaled, the
-# gradient is about four times larger at 64, and more at 512.
+# Scaling makes the gradient about four times larger at 64, and more at 512.
 
 
 # %%
@@ -392,7 +382,7 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 #     gain = scaled_gradient / raw_gradient
 #     print(f"d_k = {d_k:3d}: largest weight {raw_peak:.2f} unscaled, {scaled_peak:.2f} scaled;")
 #     print(f"           the scaled gradient is {gain:.1f} times the unscaled one")
-#     assert raw_peak > 0.8 and scaled_peak < 0.4 and gain > (3 if d_k == 64 else 11)
+#     assert raw_peak > 0.8 and scaled_peak < 0.4 and gain > (3 if d_k == 64 else 8)
 
 # %% [markdown]
 # ### Multi-head attention (§3.2.2, §3.2.3)
@@ -414,15 +404,14 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 class MultiHeadAttention(nn.Module):
     """h attention heads over learned projections, concatenated and projected by W^O."""
 
-    def __init__(self, h: int, d_model: int, dropout: float, use_sdpa: bool = False):
+    def __init__(self, h: int, d_model: int, dropout: float = 0.0):
         super().__init__()
         if d_model % h != 0:
             raise ValueError(f"d_model={d_model} must be divisible by h={h}: pick another h")
         self.h, self.d_k = h, d_model // h
         # W^Q, W^K, W^V (each the h matrices W_i side by side) and W^O
         self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))
-        self.dropout, self.use_sdpa = nn.Dropout(dropout), use_sdpa
-        self.keep_weights, self.weights = False, None  # keep_weights: keep the last in .weights
+        self.dropout = nn.Dropout(dropout)  # on the attention weights; the paper has none
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -432,23 +421,10 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.w_q(query))  # (B, h, T_q, d_k)
         k = self.split_heads(self.w_k(key))  # (B, h, T_k, d_k)
         v = self.split_heads(self.w_v(value))  # (B, h, T_k, d_k)
-        return self.attend(q, k, v, mask)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Attention of every head, then Concat and W^O: (B, h, T_q, d_k) -> (B, T_q, d_model)."""
-        B, _, T_q, _ = q.shape
-        # (B, 1, T_q or 1, T_k): one mask for every head
-        mask = None if mask is None else mask.unsqueeze(1)
-        # (the fused kernel's bf16 backward is slow on a CPU: there, ours runs)
-        if self.use_sdpa and not (self.keep_weights or torch.is_autocast_enabled("cpu")):
-            p = self.dropout.p if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        else:
-            out, weights = attention(query=q, key=k, value=v, mask=mask, dropout=self.dropout)
-            self.weights = weights.detach() if self.keep_weights else None
-        # Concat(head_1, ..., head_h): (B, h, T_q, d_k) -> (B, T_q, h * d_k)
-        out = out.transpose(1, 2).reshape(B, T_q, self.h * self.d_k)
-        return self.w_o(out)
+        mask = None if mask is None else mask.unsqueeze(1)  # (B, 1, T_q or 1, T_k): all heads
+        out, _ = attention(query=q, key=k, value=v, mask=mask, dropout=self.dropout)
+        # Concat(head_1, ..., head_h): (B, h, T_q, d_k) -> (B, T_q, h, d_k) -> (B, T_q, h * d_k)
+        return self.w_o(out.transpose(1, 2).flatten(2))
 
 
 # %% [markdown]
@@ -487,20 +463,18 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 # next layer reads their answers side by side. In the paper's words, "with a single
 # attention head, averaging inhibits this."
 #
-# **Three uses** (§3.2.3). The model uses this block in three places, which differ only
+# **Three uses** (§3.2.3). The block serves three places, which differ only
 # in where the queries, keys and values come from:
 #
 # * **encoder self-attention**: all three come from the previous encoder layer, so each
 #   source word can look at every source word;
 # * **masked decoder self-attention**: all three come from the previous decoder layer,
-#   and a mask hides the words after each position, which do not exist yet when we
-#   translate;
-# * **encoder-decoder attention**: the queries come from the decoder, the keys and values
-#   from the encoder's output, so each word being written can look at every source word.
+#   and a mask hides the later words, which do not exist yet when we translate;
+# * **encoder-decoder attention**: queries from the decoder, keys and values from the
+#   encoder's output, so each word being written can look at every source word.
 #
-# **Why attention pays** (§4). Background promised shorter paths; the paper's Table 1
-# puts that in numbers. For a sentence of $n$ words, each a vector of width
-# $d$:
+# **Why attention pays** (§4). The paper's Table 1 puts Background's shorter paths in
+# numbers. For a sentence of $n$ words, each a vector of width $d$:
 #
 # | layer | work per layer | steps that must wait for each other | longest path between two words |
 # |---|---|---|---|
@@ -508,10 +482,9 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 # | recurrent | $n \cdot d^2$ | $n$ | $n$ |
 # | convolutional, kernel $k$ | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
 #
-# Attention's work grows with the square of the sentence's length, but a sentence is
-# usually shorter than its vectors are wide (about 15 tokens here, against 512 numbers),
-# so attention is also the cheapest layer. And a signal that must pass through many
-# steps to link two words fades on the way.
+# Attention's work grows with the square of a sentence's length, but sentences are
+# usually shorter than the vectors are wide (about 15 tokens here, against 512 numbers),
+# so it is also the cheapest layer. And a signal that must pass many steps fades.
 
 # %% [markdown]
 # ### Position-wise feed-forward network (§3.3)
@@ -561,18 +534,16 @@ class FeedForward(nn.Module):
 #
 # The residual connection adds a sub-layer's input to its output, so a sub-layer only
 # learns a correction.
-# *Layer normalisation* (Ba et al., 2016) then steadies the sizes. For each position on
-# its own, it takes the $d_{\text{model}}$ numbers of its vector, subtracts their mean,
-# divides by their standard deviation, then multiplies by a learned gain and adds a
-# learned bias, one of each per dimension. Whatever the layers below did, the next one
-# reads numbers of about the same size.
+# *Layer normalisation* (Ba et al., 2016) then steadies the sizes: for each position, it
+# subtracts the mean of its $d_{\text{model}}$ numbers, divides by their standard
+# deviation, then applies a learned gain and bias per dimension.
 #
 # > **Post-norm versus pre-norm.** The paper normalises *after* the addition
 # > (post-norm); many later models normalise the sub-layer's *input*,
 # > $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ (pre-norm).
 # > Xiong et al. (2020) show that post-norm starts with large gradients near the output,
-# > hence its need for a warm-up of the learning rate (Part 2). `pre_norm=True` switches
-# > every layer; the cpu preset uses it.
+# > hence its need for a learning-rate warm-up (Part 2). `pre_norm=True` switches every
+# > layer; the cpu preset uses it.
 #
 # `ResidualSublayer` takes the sub-layer as a function, so one class serves attention
 # and the feed-forward block.
@@ -611,50 +582,35 @@ class ResidualSublayer(nn.Module):
 # > sub-layers. The first is a multi-head self-attention mechanism, and the second is a
 # > simple, position-wise fully connected feed-forward network."
 #
-# Every layer's sizes travel in one record, whose defaults are the paper's base model.
-# An encoder layer wraps its two sub-layers in residual connections, and the encoder
-# stacks $N$ of them, with a final LayerNorm only when pre-norm, whose last sum is
-# otherwise never normalised.
+# A layer's sizes travel in one record, with the paper's base model as defaults. An
+# encoder layer wraps its two sub-layers in residual connections; the encoder stacks $N$
+# of them, plus a final LayerNorm when pre-norm, whose last sum is otherwise raw.
 
 
 # %%
 @dataclass(frozen=True)
-class ModelConfig:
-    """The model's sizes and switches; the defaults are the paper's base model."""
+class LayerConfig:
+    """One layer's sizes and switches; the defaults are the paper's base model."""
 
-    N: int = 6  # layers in the encoder stack and in the decoder stack
     d_model: int = 512  # width of every sub-layer's input and output
     d_ff: int = 2048  # inner width of the feed-forward sub-layer
     h: int = 8  # attention heads
     dropout: float = 0.1  # the paper's P_drop, on sub-layer outputs and embeddings
     attention_dropout: float = 0.0  # on the attention weights; the paper has none
     pre_norm: bool = False  # False is the paper's post-norm
-    use_sdpa: bool = False  # PyTorch's fused attention kernel (same maths, faster)
-    max_positions: int = 5000  # rows of the positional-encoding tables
-    tie_output: bool = True  # the generator reuses the target embedding's matrix
-    share_embeddings: bool = False  # one matrix for both embeddings (a joint vocabulary)
-
-    def attention(self) -> "MultiHeadAttention":
-        return MultiHeadAttention(self.h, self.d_model, self.attention_dropout, self.use_sdpa)
-
-    def sublayer(self) -> "ResidualSublayer":
-        return ResidualSublayer(self.d_model, self.dropout, self.pre_norm)
-
-    def embedding(self, vocab_size: int) -> nn.Sequential:
-        position = PositionalEncoding(self.d_model, self.dropout, self.max_positions)
-        return nn.Sequential(TokenEmbedding(vocab_size, self.d_model), position)
 
 
 # %%
 class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each inside a residual sub-layer."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, c: LayerConfig):
         super().__init__()
-        self.self_attn = config.attention()
-        self.feed_forward = FeedForward(config.d_model, config.d_ff)
-        self.attn_sublayer = config.sublayer()
-        self.ff_sublayer = config.sublayer()
+        self.self_attn = MultiHeadAttention(c.h, c.d_model, c.attention_dropout)
+        self.feed_forward = FeedForward(c.d_model, c.d_ff)
+        self.attn_sublayer, self.ff_sublayer = (
+            ResidualSublayer(c.d_model, c.dropout, c.pre_norm) for _ in range(2)
+        )
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.attn_sublayer(x, lambda t: self.self_attn(query=t, key=t, value=t, mask=src_mask))
@@ -677,11 +633,10 @@ class Encoder(nn.Module):
 
 # %% [markdown]
 # The same check for a whole layer: PyTorch's `nn.TransformerEncoderLayer` with our
-# weights, post-norm like ours, computes the same function with dropout off. (In
-# training, PyTorch also drops out attention weights and the feed-forward hidden layer.)
+# weights, post-norm like ours, computes the same function with dropout off.
 
 # %% active="ipynb"
-# layer = EncoderLayer(ModelConfig(d_model=16, h=4, d_ff=32, dropout=0.0)).eval()
+# layer = EncoderLayer(LayerConfig(d_model=16, h=4, d_ff=32, dropout=0.0)).eval()
 # torch_layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
 # copy_into_pytorch(layer.self_attn, torch_layer.self_attn)
 # for theirs, ours in [
@@ -713,13 +668,14 @@ class Encoder(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, then feed-forward."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, c: LayerConfig):
         super().__init__()
-        self.self_attn, self.cross_attn = config.attention(), config.attention()
-        self.feed_forward = FeedForward(config.d_model, config.d_ff)
-        self.self_sublayer = config.sublayer()
-        self.cross_sublayer = config.sublayer()
-        self.ff_sublayer = config.sublayer()
+        self.self_attn = MultiHeadAttention(c.h, c.d_model, c.attention_dropout)
+        self.cross_attn = MultiHeadAttention(c.h, c.d_model, c.attention_dropout)
+        self.feed_forward = FeedForward(c.d_model, c.d_ff)
+        self.self_sublayer, self.cross_sublayer, self.ff_sublayer = (
+            ResidualSublayer(c.d_model, c.dropout, c.pre_norm) for _ in range(3)
+        )
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> Tensor:
         x = self.self_sublayer(x, lambda t: self.self_attn(query=t, key=t, value=t, mask=tgt_mask))
@@ -744,7 +700,7 @@ class Decoder(nn.Module):
 
 
 # %% active="ipynb"
-# decoder = Decoder([DecoderLayer(ModelConfig(d_model=16, h=4, d_ff=32, dropout=0.0))], d_model=16)
+# decoder = Decoder([DecoderLayer(LayerConfig(d_model=16, h=4, d_ff=32, dropout=0.0))], d_model=16)
 # memory = torch.randn(1, 4, 16)  # (B, S, d_model) from the encoder
 # tgt_mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0)  # (1, T=3, T=3)
 # memory_mask = torch.tensor([[[True, True, True, False]]])  # (B=1, 1, S=4): a pad
@@ -805,8 +761,9 @@ class EncoderDecoder(nn.Module):
 
 
 # %% [markdown]
-# `make_model` builds the model from two vocabulary sizes and a `ModelConfig` (the base
-# model if none).
+# `make_model` builds the model from two vocabulary sizes and a `ModelConfig`: a layer's
+# record, plus the number of layers $N$, the positional tables' length and weight
+# sharing. No config means the base model.
 #
 # > * *Initialisation*, on which the paper is silent: Xavier-uniform for every weight
 # >   matrix, as in PyTorch's `nn.Transformer`.
@@ -814,6 +771,23 @@ class EncoderDecoder(nn.Module):
 # >   embedding layers and the pre-softmax linear transformation". We can share the
 # >   target embedding with the generator, and the source embedding too when both
 # >   languages have one vocabulary ("Sub-words", Part 4).
+
+
+# %%
+@dataclass(frozen=True)
+class ModelConfig(LayerConfig):
+    """A layer's sizes, plus the whole model's; the defaults are the paper's base model."""
+
+    N: int = 6  # layers in the encoder stack and in the decoder stack
+    max_positions: int = 5000  # rows of the positional-encoding tables
+    tie_output: bool = True  # the generator reuses the target embedding's matrix
+    share_embeddings: bool = False  # one matrix for both embeddings (a joint vocabulary)
+
+
+def make_embedding(vocab_size: int, c: ModelConfig) -> nn.Sequential:
+    """Token vectors (§3.4), then positions added and dropout (§3.5)."""
+    position = PositionalEncoding(c.d_model, c.dropout, c.max_positions)
+    return nn.Sequential(TokenEmbedding(vocab_size, c.d_model), position)
 
 
 # %%
@@ -825,8 +799,8 @@ def make_model(src_vocab: int, tgt_vocab: int, config: ModelConfig | None = None
     enc_layers = [EncoderLayer(c) for _ in range(c.N)]
     dec_layers = [DecoderLayer(c) for _ in range(c.N)]
     model = EncoderDecoder(
-        src_embed=c.embedding(src_vocab),
-        tgt_embed=c.embedding(tgt_vocab),
+        src_embed=make_embedding(src_vocab, c),
+        tgt_embed=make_embedding(tgt_vocab, c),
         encoder=Encoder(enc_layers, c.d_model, pre_norm=c.pre_norm),
         decoder=Decoder(dec_layers, c.d_model, pre_norm=c.pre_norm),
         generator=Generator(c.d_model, tgt_vocab),
@@ -854,9 +828,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # %% [markdown]
-# With vocabularies the size of ours (about 8,000 German and 6,000 English), the
-# base model's two embedding tables hold about a seventh of its parameters. The paper
-# reports 65 million, with a 37,000-token shared vocabulary.
+# With our vocabularies, the base model's embedding tables hold about a seventh of its
+# parameters; the paper reports 65 million, with a 37,000-token shared vocabulary.
 
 # %% active="ipynb"
 # base = make_model(8000, 6000)
@@ -868,11 +841,9 @@ def count_parameters(model: nn.Module) -> int:
 # del base
 
 # %% [markdown]
-# **The whole model, untrained.** Given a source sentence and the
-# start of its translation, the model returns, at every position of the target, a
-# probability for each word of the vocabulary: its guess at the next word. With random
-# weights the guesses are arbitrary. Part 2 builds what teaches the model to guess well,
-# and Part 3 trains it for the first time.
+# **The whole model, untrained.** At every target position, the model returns a
+# probability for each word of the vocabulary: its guess at the next word. Untrained, it
+# guesses at random; Part 2 builds what teaches it.
 
 # %% active="ipynb"
 # set_seed(0)
@@ -889,9 +860,9 @@ def count_parameters(model: nn.Module) -> int:
 # %% [markdown]
 # ### Exercises
 #
-# Each exercise gives a starter with a gap (✎), then our answer, folded, then a check.
-# Our answer fills in only while your gap is empty, so Run All works, and the check
-# tests your own answer once you have written one.
+# Each exercise has a starter with a gap (✎), our answer (folded) and a check. Our
+# answer fills in only while your gap is empty, so Run All works; once you write yours,
+# the check tests it.
 
 # %% active="ipynb"
 # def filled(answer):
@@ -938,11 +909,10 @@ def count_parameters(model: nn.Module) -> int:
 # print(f"a base decoder layer: {decoder_layer_parameters(512, 2048):,} parameters")
 
 # %% [markdown]
-# **1.2 Why multiply the embeddings by $\sqrt{d_{\text{model}}}$?** Measure one effect:
-# with `make_model`'s initialisation, how large are the token embeddings beside the
-# positional encodings (root-mean-square $1/\sqrt{2} \approx 0.71$)? Write `embedding_rms`, the
-# root-mean-square of the source embedding table (`model.src_embed[0].embedding`),
-# with or without the scaling.
+# **1.2 Why multiply the embeddings by $\sqrt{d_{\text{model}}}$?** How large are
+# `make_model`'s token embeddings beside the positional encodings (root-mean-square
+# $1/\sqrt{2} \approx 0.71$)? Write `embedding_rms`, the root-mean-square of the source
+# embedding table (`model.src_embed[0].embedding`), with or without the scaling.
 
 # %% active="ipynb" tags=["starter"]
 # def embedding_rms(model: EncoderDecoder, scaled: bool) -> float:
@@ -1148,8 +1118,8 @@ class LabelSmoothing(nn.Module):
 
 # %% [markdown]
 # As the right word's logit grows, the loss falls, then rises once the model is more
-# confident than the smoothed target allows: overconfidence is penalised. Every value
-# is finite, since the loss takes log-probabilities, computed stably.
+# confident than the smoothed target allows. Every value is finite, since the loss takes
+# log-probabilities, computed stably.
 
 # %% active="ipynb"
 # criterion = LabelSmoothing(vocab_size=5, pad_id=0, smoothing=0.1)
@@ -1224,7 +1194,7 @@ class FastLabelSmoothing(LabelSmoothing):
 # * then decays as $1/\sqrt{step}$.
 #
 # Why warm up? The paper does not say. One explanation (Liu et al., 2020, "On the
-# Variance of the Adaptive Learning Rate"): Adam's first steps rest on estimates of the
+# Variance of the Adaptive Learning Rate and Beyond"): Adam's first steps rest on estimates of the
 # gradients' scale made from few batches, so they are erratic, and a small rate keeps
 # them small. Why decay? Small steps late let the weights settle. We multiply the
 # formula by a factor of our own (1.0 is the paper's).
@@ -1334,14 +1304,15 @@ def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
 # Two helpers come first. One returns a batch's summed loss under teacher forcing,
 # computed in float32; the other counts the real target tokens of each step.
 #
-# Three optional arguments serve the real training run of Part 6 and change nothing by
-# default. One bounds the gradient's norm, one may run the forward pass in bf16, and one
-# is called after every optimizer step, to save checkpoints.
+# Three optional arguments serve Part 6's real run and change nothing by default: a
+# bound on the gradient's norm, a function called after every optimizer step (to save
+# checkpoints), and `autocast`. *bf16* is a 16-bit number format with float32's range
+# but fewer digits, faster where the hardware supports it. *Autocast* is PyTorch's
+# context that runs matrix products in bf16 and the rest in float32.
 #
 # How to read the loop:
 #
-# * micro-batch $i$ belongs to step $\lfloor i / accum \rfloor$, whose token count
-#   divides its loss;
+# * micro-batch $i$ belongs to step $\lfloor i / accum \rfloor$;
 # * the optimizer steps on a group's last micro-batch, or the epoch's last;
 # * the returned loss is the mean per real target token over the epoch.
 
@@ -1615,8 +1586,9 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 # ## Part 3: a first test, the copy task
 #
 # A toy task isolates the machinery: the model sees random digits and must output them
-# unchanged. A working Transformer learns it in a minute on a CPU; a bug in masks,
-# shifting or the loss shows at once. Its ids:
+# unchanged. It uses every piece the translator will use: the model, the masks, the
+# loss, the schedule and `run_epoch`. A working Transformer learns it in 600 small steps;
+# a bug in masks, shifting or the loss shows at once. Its ids:
 #
 # * padding 0, start 1, end 2;
 # * the digits, 3 to 12.
@@ -1652,9 +1624,8 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 #
 # * two layers of width 64, with four heads and a feed-forward width of 128, and no
 #   dropout;
-# * Adam with a 100-step warm-up, then `linear_rate`'s line to zero (with the paper's
-#   decay, still two fifths of its peak after 600 steps, the loss jumped up and down to
-#   the end);
+# * Adam with a 100-step warm-up, then `linear_rate`'s line to zero (the paper's decay
+#   would still be at two fifths of its peak after 600 steps);
 # * no label smoothing, as a copy has one right answer;
 # * accumulation over two micro-batches, to exercise it.
 #
@@ -1698,8 +1669,8 @@ def train_copy_task(
 # The proof is greedy decoding of 100 held-out sequences, drawn from a seed of their own:
 # all must come back unchanged.
 # Decoding feeds the model its own outputs, as translation does, so one wrong digit
-# derails the rest. Re-run this cell after any change to Parts 1 or 2: it catches in a
-# minute what the Multi30k run would show twenty minutes later, as a poor score.
+# derails the rest. Re-run this cell after any change to Parts 1 or 2: it catches in
+# 600 small steps what the Multi30k run would show only after its training.
 
 # %% active="ipynb"
 # copy_model = train_copy_task()
@@ -1750,7 +1721,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # %% [markdown]
 # ### Exercises
 #
-# Each check trains a copy model, in under a minute.
+# Each check trains a copy model, as the proof above does.
 #
 # **3.1 Pre-norm copies too.** Give `train_copy_task` a `ModelConfig` of the same size
 # with pre-norm sub-layers, and measure whether the model still copies.
@@ -1816,10 +1787,10 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # ## Part 4: a real task, German to English on Multi30k
 #
 # Multi30k (Elliott et al., 2016) pairs about 31,000 English image captions with German
-# translations. Its short sentences and common words make it learnable on a laptop in
-# minutes. The paper trained on WMT 2014's 4.5 million English-German sentence pairs;
-# Multi30k is over a hundred times smaller, and all its sentences describe pictures, so
-# a small vocabulary covers most of them.
+# translations. Its short sentences make it learnable on a laptop in minutes. The paper
+# trained on WMT 2014's 4.5 million English-German sentence pairs; Multi30k is over a
+# hundred times smaller, and all its sentences describe pictures, so a small vocabulary
+# covers most of them.
 #
 # Task 1 of the corpus splits it three ways:
 #
@@ -1837,11 +1808,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # 4. *Batching*: group sentences of similar length under a token budget;
 # 5. *Putting the data together*: one function runs it all for a preset.
 #
-# Each step is small. Together they turn two text files per split into the batches of
-# Part 2.
-#
-# The next cell imports the data tools and names two folders: one for downloads, caches
-# and checkpoints, one for a run's results.
+# The next cell imports the data tools and names the data and build folders.
 
 # %%
 import hashlib
@@ -1864,7 +1831,11 @@ DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One line of plumbing makes CPU training faster and leaner; plumbing.py says how.
+# One line of plumbing tunes memory for CPU training, before the first bf16 product, so
+# training asks for memory less often and holds less of it:
+#
+# * the C library keeps large freed blocks for reuse;
+# * oneDNN, which runs bf16 products, caches fewer kernels.
 
 # %% active="ipynb"
 # from plumbing import prepare_cpu_memory
@@ -1875,14 +1846,15 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # ### Getting the data
 #
 # Fetching and checking files teaches nothing about the Transformer, so it lives in
-# plumbing.py. Each split is two text files, one sentence per line, German and English
-# line by line; a pair with an empty side is skipped, with a count printed. A bad or
-# missing file stops with one line that says what to do. The next
-# cell loads the three splits, from the dataset's public repository or, offline, from
-# the folder that `MULTI30K_DIR` names, and checks their sizes.
+# plumbing.py.
+# The next cell loads the three splits and checks their sizes:
+#
+# * each is two text files, German and English, one sentence per line;
+# * they come from the dataset's public repository or, offline, from the folder that
+#   `MULTI30K_DIR` names.
 
 # %% active="ipynb"
-# raw = {split: load_pairs(split) for split in ("train", "val", "test_2016_flickr")}
+# raw = {split: load_pairs(split, DATA_DIR) for split in ("train", "val", "test_2016_flickr")}
 # for split, pairs in raw.items():
 #     print(f"{split:18s} {len(pairs):6,d} pairs")
 # assert [len(raw[s]) for s in raw] == [29000, 1014, 1000]
@@ -1897,8 +1869,7 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # with spaCy, so nothing is downloaded.
 #
 # Why not split at spaces? Then "Hund." and "Hund" would be two tokens, and the
-# vocabulary would learn many words twice, with and without their full stop. Rules also
-# know that "z.B." is one token and "Hund." two.
+# vocabulary would learn many words twice, with and without their full stop.
 #
 # Tokenizing 29,000 pairs takes a while, so the tokens are cached on disk.
 #
@@ -1957,9 +1928,9 @@ def cached_tokens(split: str, pairs, tokenizers, data_dir: Path = DATA_DIR) -> d
 # | `<blank>` | padding, to make sentences of a batch equally long |
 # | `<unk>` | a word the vocabulary does not know |
 #
-# A vocabulary maps tokens to ids and back; the four specials always take ids 0 to 3.
-# After them come the tokens seen often enough, most frequent first. In the toy example,
-# "a" (3 times) and "dog" (twice) get ids 4 and 5; "cat", seen once, becomes `<unk>`.
+# The four specials always take ids 0 to 3. After them come the tokens seen often enough,
+# most frequent first. In the toy example, "a" (3 times) and "dog" (twice) get ids 4 and
+# 5; "cat", seen once, becomes `<unk>`.
 
 # %%
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<blank>", "<unk>"
@@ -2044,6 +2015,9 @@ def load_vocab(path: Path) -> Vocab:
 # %% [markdown]
 # ### Sub-words (§5.1)
 #
+# *Optional: no preset uses sub-words* (`bpe_merges=0` in presets.py).
+# Skim the next seven cells, BPE from scratch, but run them.
+#
 # A word vocabulary turns rare and new words into `<unk>`: "Quantencomputer" has no id,
 # though it is plainly "Quanten" + "computer". The paper encoded its sentences "using
 # byte-pair encoding" with "a shared source-target vocabulary of about 37000 tokens"
@@ -2056,8 +2030,9 @@ def load_vocab(path: Path) -> Vocab:
 # 2. count adjacent pairs of symbols over the corpus, weighted by word frequency;
 # 3. merge the most frequent pair everywhere, and repeat from 2.
 #
-# Frequent words end as one piece, rare ones as a few. The next cell is that loop,
-# written plainly (a tie goes to the larger pair, as in the reference implementation).
+# Frequent words end as one piece, rare ones as a few.
+# The next cell is that loop, written plainly (a tie goes to the larger pair, as in the
+# reference implementation).
 # It returns the merges in the order learned; "Hund" starts as `H u n d</w>`.
 
 
@@ -2165,10 +2140,9 @@ def learned_merges(train_tokens: dict, merges: int, data_dir: Path = DATA_DIR) -
 
 
 def bpe_splitter(merges: list, known: set | None = None) -> subword_nmt.apply_bpe.BPE:
-    """subword-nmt's splitter for these merges: .segment_tokens(words) -> pieces.
-
-    known: the pieces of a vocabulary; a piece outside it is split back into known
-    smaller ones, as far as it can be, instead of becoming <unk>."""
+    """subword-nmt's splitter for these merges: .segment_tokens(words) -> pieces."""
+    # known: the pieces of a vocabulary; a piece outside it is split back into known
+    # smaller ones, as far as it can be, instead of becoming <unk>
     codes = io.StringIO("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
     return subword_nmt.apply_bpe.BPE(codes, separator=SEPARATOR, vocab=known)
 
@@ -2244,10 +2218,10 @@ def vocabularies(
 # * the share of test2016 reference tokens it cannot write;
 # * the cpu model's embedding weights (the output layer shares the target table).
 #
-# Read it for the trade. Sub-words leave fewer reference tokens that the model cannot
-# write, but they spell a sentence in more pieces, so an epoch holds more tokens and
-# takes longer. Setting `bpe_merges=8000` switches a preset to sub-words; why the cpu
-# preset keeps words is in [What matters in a short run](#What-matters-in-a-short-run).
+# Sub-words leave fewer reference tokens that the model cannot write, but they spell a
+# sentence in more pieces, so an epoch holds more tokens and takes longer. Setting
+# `bpe_merges=8000` switches a preset to sub-words ([why the cpu preset does
+# not](#What-matters-in-a-short-run)).
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
@@ -2399,23 +2373,17 @@ def padding_efficiency(pairs: list[Pair], batches: list[list[int]]) -> float:
 # %% [markdown]
 # ### Putting the data together
 #
-# One function runs these steps for a preset:
-#
-# 1. load the three splits (the smoke preset keeps only their first pairs);
-# 2. tokenize them through the cache;
-# 3. build the vocabularies from the training tokens;
-# 4. encode each split, the training one without its longest pairs.
-#
-# It returns one record, `data`, which the rest of the notebook uses:
+# `prepare_data` is the steps above in one call: it builds `raw`, `tokens`, `vocabs`
+# and the encoded splits again for the preset, whose smoke version keeps only the first
+# pairs of each split.
+# It returns one record, `data`, for the rest of the notebook:
 #
 # * the vocabularies;
 # * the three splits as ids;
 # * the three splits as raw text, whose English side is the reference for BLEU.
 #
-# The batches are cut later, anew in every epoch, by the training loop of Part 6.
-#
-# After the definition, a measurement: how much padding does bucketing save on the whole
-# training split?
+# Part 6's loop cuts the batches anew in every epoch. After the definition: how much
+# padding does bucketing save on the whole training split?
 
 
 # %%
@@ -2585,11 +2553,11 @@ def cut_to_length(sources: list[list[int]], limit: int) -> list[list[int]]:
 
 
 # %% [markdown]
-# **Never `<unk>`.** An `<unk>` in a translation is never right, and once greedy
-# decoding writes one the next likeliest word is often another, up to the length cap.
-# Forbidding it raised an earlier 12-epoch cpu model's validation BLEU from 34.0 to
-# 37.2 greedy ([results/README.md](results/README.md)). So the translator gives `<unk>`
-# a log-probability of $-\infty$ unless told to allow it.
+# **Never `<unk>`.** An `<unk>` in a translation is never right, and greedy decoding can
+# write one after another, up to the length cap: an earlier 12-epoch cpu model did so on
+# 5 of the 1,014 validation sentences. Forbidding `<unk>` raised its validation BLEU from
+# 34.0 to 37.2 greedy ([results/README.md](results/README.md)). So the translator bans `<unk>`
+# unless told to allow it.
 #
 # A small wrapper does it: it takes any next-word function and sets the log-probability
 # of the banned words to $-\infty$.
@@ -2612,20 +2580,18 @@ def without_words(scorer, banned: list[int]):
 # The translator, folded below, sorts the sources by length and decodes them in chunks
 # of 100, since a chunk runs until its slowest sentence ends. Then it restores their
 # order and, for sub-words, glues the pieces back into words. It decodes greedily, with
-# the faster next-word function of this part's last section; asked for more than one beam, it
-# calls the beam search of Part 7.
+# the faster next-word function of this part's last section, unless it is handed another
+# search: Part 7 hands it beam search.
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
 def translate(
-    model, sources, vocabs, *, beam_size=1, alpha=0.6, cached=True, chunk_size=100,
+    model, sources, vocabs, *, search=None, cached=True, chunk_size=100,
     allow_unk=False, pieces=False, longer_by=50,
 ):  # fmt: skip
-    """Translate id lists (<s> ... </s>) into English token lists, chunk_size at a time.
-
-    pieces: return a sub-word vocabulary's pieces instead of whole words. longer_by: how
-    many tokens longer than its longest source a chunk's outputs may grow (§6.1: 50).
-    """
+    """Translate id lists (<s> ... </s>) into English token lists, chunk_size at a time."""
+    # pieces: return a sub-word vocabulary's pieces instead of whole words. longer_by: how
+    # many tokens longer than its longest source a chunk's outputs may grow (§6.1: 50)
     device, limit = next(model.parameters()).device, positions_of(model)
     en, pad, ids = vocabs["en"], vocabs["de"].pad_id, vocabs["en"].special_ids()
     banned = [] if allow_unk else [en.unk_id]
@@ -2640,9 +2606,7 @@ def translate(
         ).to(device)
         src_mask = (src != pad).unsqueeze(-2)
         cap = min(src.size(1) + longer_by, limit)  # the longest output, <s> included
-        options = {} if beam_size == 1 else {"beam_size": beam_size, "alpha": alpha}
-        search = beam_search if options else greedy_decode  # beam search: Part 7
-        out = search(model, src, src_mask, cap, ids=ids, scorer=scorer, **options)
+        out = (search or greedy_decode)(model, src, src_mask, cap, ids=ids, scorer=scorer)
         for i, row in zip(chunk, out.tolist(), strict=True):
             words = [w for w in row[1:] if w != ids.pad]
             units = en.decode(words[: words.index(ids.end)] if ids.end in words else words)
@@ -2666,8 +2630,8 @@ def translate(
 # shirt", "n't"); round-tripping the 2,014 validation and test references gives back
 # all but 3 exactly.
 #
-# > Lower-cased tokenized BLEU, which older tutorials report, comes out higher. Part 7
-# > prints it too, for comparison only.
+# > Older tutorials report lower-cased BLEU on their own tokens, a number not comparable
+# > with sacreBLEU's. Part 7 prints it too, for comparison only.
 
 
 # %%
@@ -2753,8 +2717,37 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # so it matches the full recompute up to float rounding. The encoder's keys and values
 # are projected once. In each decoder layer, the newest word's key and value are
 # appended to that layer's cache (the "KV cache"), and its query attends to all of it,
-# unmasked, as all of it is past. How much faster that is depends on the machine:
-# `make bench` times the two.
+# unmasked, as all of it is past. `make bench` times the two.
+#
+# The cache keeps keys and values already projected, so it needs the second half of
+# Part 1's multi-head attention alone.
+# We cut `forward` in two, computing the same:
+#
+# * `attend`: every head's attention, then Concat and $W^O$;
+# * a new `forward`: the projections, then `attend`.
+#
+# A function assigned to a class's attribute becomes a method, even in a later cell
+# (d2l's `add_to_class` does the same).
+
+
+# %%
+def attend(self: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+    """Attention of every head, then Concat and W^O: (B, h, T_q, d_k) -> (B, T_q, d_model)."""
+    mask = None if mask is None else mask.unsqueeze(1)  # (B, 1, T_q or 1, T_k): all heads
+    out, _ = attention(query=q, key=k, value=v, mask=mask, dropout=self.dropout)
+    # Concat(head_1, ..., head_h): (B, h, T_q, d_k) -> (B, T_q, h, d_k) -> (B, T_q, h * d_k)
+    return self.w_o(out.transpose(1, 2).flatten(2))
+
+
+def project_then_attend(self: MultiHeadAttention, *, query, key, value, mask=None) -> Tensor:
+    """Part 1's forward in two halves: the projections W^Q, W^K, W^V, then attend()."""
+    q = self.split_heads(self.w_q(query))  # (B, h, T_q, d_k)
+    k = self.split_heads(self.w_k(key))  # (B, h, T_k, d_k)
+    v = self.split_heads(self.w_v(value))  # (B, h, T_k, d_k)
+    return self.attend(q, k, v, mask)
+
+
+MultiHeadAttention.attend, MultiHeadAttention.forward = attend, project_then_attend
 
 
 # %%
@@ -2864,25 +2857,24 @@ class CachedPrefix(FullPrefix):
 # %% [markdown]
 # ## Part 6: training the translator
 #
-# Every piece is built: the model, the loss, the schedule, an epoch, and validation BLEU
-# to tell us how it is going. Training is a loop that puts them together:
+# Every piece is built. Part 3 trained the copy task with a bare loop: seed, build the
+# model, the loss, the optimizer and the schedule, then `run_epoch` and `evaluate` once
+# per epoch. The translator trains with the same loop, plus the bookkeeping that a real
+# run needs, kept in [trainer.py](trainer.py) and reached through one object, `run`:
 #
-# 1. build the model, the loss, the optimizer and the schedule;
-# 2. each epoch, train on every batch once with `run_epoch`, then measure the validation
-#    loss and validation BLEU;
-# 3. at the end, where the preset asks for it, average the last epochs' weights, as the
-#    paper averaged its last checkpoints (§6.1).
+# | the loop calls | what it does | changes what is learned? |
+# |---|---|---|
+# | `trainer.start` | resumes a stopped run, or picks the precision | yes: the precision |
+# | `run.planned_steps` | tells the schedule where the rate reaches zero | yes: where it ends |
+# | `run.resume` | loads the last checkpoint, or seeds dropout | no |
+# | `run.epochs()` | yields the epochs that the plan holds | yes: how many |
+# | `run.start_epoch` | skips the batches a resumed epoch has done | no |
+# | `run.step_done` | progress, checkpoints; on a budget, times the first steps | yes: the plan |
+# | `run.end_epoch` | the epoch's line and `last.pt`; on a budget, a re-plan | yes: the plan |
+# | `run.averaged_weights` | the mean of the last epochs' weights (§6.1) | yes, if it averages |
+# | `run.finish` | saves the final model | no |
 #
-# A real run also needs bookkeeping, kept in [trainer.py](trainer.py) and reached
-# through one object, `run`. In the order the loop calls it:
-#
-# 1. starting, on a CPU, it times one batch to choose float32 or bf16;
-# 2. `resume` loads the last checkpoint of a stopped run;
-# 3. `epochs()` yields the epochs. A run with a time budget times its first steps, plans
-#    as many epochs as fit, re-plans after each, and tells the schedule where it ends;
-# 4. `unfinished` skips the batches a resumed epoch already trained on;
-# 5. `step_done` and `end_epoch` save checkpoints and print a line per epoch;
-# 6. `finish` saves the final model.
+# What changes what is learned is printed, and the rate that each step used is drawn.
 #
 # ### The presets
 #
@@ -2901,7 +2893,11 @@ class CachedPrefix(FullPrefix):
 #   No GPU has run it yet: these choices are reasoned, not measured.
 #
 # The table puts them side by side. Every field, with its reason, is in
-# [presets.py](presets.py); `dataclasses.replace(settings, epochs=3)` makes a changed copy.
+# [presets.py](presets.py). The cpu preset trains to the clock, so
+# `dataclasses.replace(settings, epochs=3, train_minutes=None)` makes a copy that trains
+# three epochs; a copy that sets both stops and says so. A changed `train_pairs`,
+# `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the data: run
+# `prepare_data` again (Part 4).
 
 # %% active="ipynb"
 # preset_table = pd.DataFrame({name: dataclasses.asdict(p) for name, p in PRESETS.items()})
@@ -2909,68 +2905,39 @@ class CachedPrefix(FullPrefix):
 # display(preset_table.drop(index="name").astype(str))
 
 # %% [markdown]
-# First, a helper that cuts one epoch of sentence pairs into padded batches.
+# First, the helpers. `Processes` says how many processes train: here one, which trains
+# on every batch with `run_epoch`. Part 10 swaps in several without touching the loop.
 
 
 # %%
 import trainer  # the bookkeeping of a real run, which the loop below calls
 
 
-def batches_for(pairs, pad_id, settings, device, *, epoch=0, rank=0, world_size=1) -> list:
-    """One epoch's batches of `pairs` on `device`; with several ranks, this rank's share."""
+@dataclass(frozen=True)
+class Processes:
+    """One process trains: the model as it is, every batch, run_epoch (Part 10: several)."""
+
+    rank: int = 0  # this process's number
+    world_size: int = 1  # how many processes train together
+
+    def share(self, batches: list[list[int]]) -> list[list[int]]:
+        return batches  # one process trains on every batch
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def epoch(self, batches, model, criterion, optimizer, schedule, **options) -> float:
+        return run_epoch(batches, model, criterion, optimizer, schedule, **options)
+
+
+def batches_for(pairs, pad_id, settings, device, *, epoch=0, processes=Processes()) -> list:
+    """One epoch's batches of `pairs` on `device`: this process's share of them."""
     indices = bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=epoch)
-    if world_size > 1:  # Part 10: each process trains on its own share
-        indices = shard_batches(indices, rank, world_size)
-    return [collate(pairs, b, pad_id).to(device) for b in indices]
+    return [collate(pairs, b, pad_id).to(device) for b in processes.share(indices)]
 
 
 # %% [markdown]
-# The loop. It builds the model with our own attention function, so an edit to it is
-# what trains. The lines marked "Part 10" matter only for several processes.
-
-
-# %%
-def train(settings: Settings, data: Multi30k, folder: Path, *, device, rank=0, world_size=1):
-    """Train a translator on `data`; go on from the last checkpoint in `folder` if any."""
-    set_seed(settings.seed)  # the same first weights in every process
-    model = model_for(settings, data.vocabs).to(device)
-    en = data.vocabs["en"]
-    criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-    val_batches = batches_for(data.val, en.pad_id, settings, device)
-    run = trainer.start(settings, folder, model, val_batches[0], rank=rank, world_size=world_size)
-    optimizer, schedule = make_optimizer(model, settings, total_steps=run.planned_steps)
-    state = run.resume(model, optimizer, schedule, TrainState())  # from a checkpoint, if any
-    learner, one_epoch = model, run_epoch
-    if world_size > 1:  # Part 10: DDP's wrapper around the model, and its epoch
-        learner = nn.parallel.DistributedDataParallel(model)
-        one_epoch = functools.partial(ddp_epoch, world_size=world_size)
-    for epoch in run.epochs():
-        batches = batches_for(data.train, en.pad_id, settings, device, epoch=epoch, rank=rank,
-                              world_size=world_size)  # fmt: skip
-        one_epoch(run.unfinished(batches), learner, criterion, optimizer, schedule,
-                  accum_iter=settings.accum_iter, state=state, clip_norm=settings.clip_norm,
-                  autocast=run.autocast, on_step=run.step_done)  # fmt: skip
-        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
-        bleu = validation_bleu(model, data) if rank == 0 else None  # one process translates
-        watched = watched_translations(model, data) if rank == 0 else None
-        run.end_epoch(val_loss=val_loss, val_bleu=bleu, watched=watched)
-    averaged = run.averaged_weights()  # §6.1; None where the preset averages nothing
-    if averaged is not None:
-        model.load_state_dict(averaged)
-        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
-        run.averaged_scores(val_loss=val_loss, val_bleu=validation_bleu(model, data))
-    return model, run.finish()  # the history of the run; final.pt in its folder
-
-
-# %% [markdown]
-# Where does a run live? In a folder under data/checkpoints, named by everything that
-# shapes the trained model: the settings, the data and the code. Run
-# the next cell again and it loads the trained model in seconds. Edit a cell such as
-# `attention`, or a setting that shapes training, and it trains a new model beside the
-# old one.
-#
-# The device is CUDA if there is one, else Apple's MPS, else the CPU. With the cpu
-# preset, the cell trains for about 16 minutes: read on meanwhile.
+# The model of the preset's size, and the device: CUDA, else Apple's MPS, else the CPU.
 
 
 # %%
@@ -2986,7 +2953,7 @@ def pick_device() -> torch.device:
 MAX_POSITIONS = 256  # rows of the positional tables: the longest input or output
 
 
-def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> EncoderDecoder:
+def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
     """A fresh model of the preset's size for these vocabularies."""
     config = ModelConfig(
         N=settings.N,
@@ -2995,23 +2962,73 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
         h=settings.h,
         dropout=settings.dropout,
         pre_norm=settings.pre_norm,
-        use_sdpa=fused_attention,  # False: our own `attention` runs
         max_positions=MAX_POSITIONS,
         share_embeddings=vocabs["de"] is vocabs["en"],  # a joint sub-word vocabulary
     )
     return make_model(len(vocabs["de"]), len(vocabs["en"]), config)
 
 
+# %% [markdown]
+# The loop: Part 3's, with `run`'s calls between its lines. It builds the model with our
+# own attention function, so an edit to it is what trains.
+
+
+# %%
+def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes=Processes()):
+    """Train a translator on `data`; go on from the last checkpoint in `folder` if any."""
+    set_seed(settings.seed)  # the same first weights in every process
+    model = model_for(settings, data.vocabs).to(device)
+    en = data.vocabs["en"]
+    criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    val_batches = batches_for(data.val, en.pad_id, settings, device)
+    rank, world_size = processes.rank, processes.world_size
+    run = trainer.start(settings, folder, model, val_batches[0], rank=rank, world_size=world_size)
+    optimizer, schedule = make_optimizer(model, settings, total_steps=run.planned_steps)
+    state = run.resume(model, optimizer, schedule, TrainState())  # from a checkpoint, if any
+    learner = processes.wrap(model)  # the model itself, or DDP's wrapper (Part 10)
+    for epoch in run.epochs():
+        batches = batches_for(data.train, en.pad_id, settings, device, epoch=epoch,
+                              processes=processes)  # fmt: skip
+        processes.epoch(run.start_epoch(batches), learner, criterion, optimizer, schedule,
+                        accum_iter=settings.accum_iter, state=state, clip_norm=settings.clip_norm,
+                        autocast=run.autocast, on_step=run.step_done)  # fmt: skip
+        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
+        bleu = validation_bleu(model, data) if rank == 0 else None  # one process translates
+        watched = watched_translations(model, data) if rank == 0 else None
+        run.end_epoch(val_loss=val_loss, val_bleu=bleu, watched=watched)
+    averaged = run.averaged_weights()  # §6.1: the epochs and their mean; None if none
+    if averaged is not None:
+        model.load_state_dict(averaged.pop("weights"))
+        averaged["val_loss"] = evaluate(val_batches, model, criterion, autocast=run.autocast)
+        averaged["val_bleu"] = validation_bleu(model, data)
+    return model, run.finish(averaged)  # the history of the run; final.pt in its folder
+
+
+# %% [markdown]
+# Where does a run live? In a folder under data/checkpoints, named by what training
+# reaches: the settings that shape it, the data, torch's version, and the code that
+# `train` calls, followed through calls. `globals()` hands the trainer this notebook's
+# definitions, so the folder follows the code you ran. Rerun the cell and it loads the
+# trained model in seconds. An edit on that path, such as to `attention`, trains a new
+# model beside the old one; an edit off it, such as to beam search, keeps it.
+# `retrain=True` trains afresh, moving the old run aside.
+#
+# The cell prints what decides the maths: the precision (bf16 only where a batch runs
+# clearly faster in it), the epochs, and where the rate ends. With the cpu preset, it
+# trains for about 16 minutes: read on meanwhile.
+
 # %% active="ipynb"
 # device = pick_device()
-# folder = trainer.run_folder(settings, data, globals(), DATA_DIR)  # named by what makes it
+# folder = trainer.run_folder(settings, data, globals(), DATA_DIR, retrain=False)
 # finished = trainer.load_final(folder, model_for(settings, data.vocabs).to(device))
 # model, history = finished or train(settings, data, folder, device=device)
+# print(trainer.decisions(history, settings.schedule))
 # print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
 # assert history[-1]["val_loss"] < history[0]["val_loss"] or len(history) == 1
 
 # %% [markdown]
-# Loss and validation BLEU per epoch; a diamond marks an averaged model. Validation loss
+# Loss and validation BLEU per epoch (a diamond marks an averaged model), and below them
+# the learning rate that each optimizer step used, from the run's record. Validation loss
 # below training loss early on is normal, as training loss is measured with dropout on.
 # Watch for a validation curve that flattens while the training curve keeps falling: the
 # model has begun to memorise.
@@ -3031,7 +3048,11 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
 #     if averaged
 #     else []
 # )
+# rates = [r for h in history for r in h.get("rates", [])]  # one per optimizer step
+# every = 1 + len(rates) // 1000  # at most about 1,000 points
+# rate_rows = [{"step": i + 1, "learning rate": r} for i, r in enumerate(rates)][::every]
 # assert all(math.isfinite(r["value"]) for r in curve_rows + bleu_rows + average_rows)
+# assert min(rates) > 0 and len(rates) == history[-1]["plan"]["steps"]
 
 # %% active="ipynb"
 # losses_chart = (
@@ -3050,10 +3071,18 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
 #         .mark_point(shape="diamond", size=120, filled=True, color="black")
 #         .encode(x="epoch:O", y="value")
 #     )
+# rate_chart = (
+#     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate used, step by step")
+#     .mark_line()
+#     .encode(x="step", y=alt.Y("learning rate", axis=alt.Axis(format=".1e")))
+# )
 # display(
-#     alt.hconcat(
-#         losses_chart.properties(width=300, height=200),
-#         bleu_chart.properties(width=300, height=200),
+#     alt.vconcat(
+#         alt.hconcat(
+#             losses_chart.properties(width=300, height=200),
+#             bleu_chart.properties(width=300, height=200),
+#         ),
+#         rate_chart.properties(width=660, height=120),
 #     )
 # )
 
@@ -3080,7 +3109,7 @@ def model_for(settings: Settings, vocabs: dict, *, fused_attention=False) -> Enc
 #
 # *Optional: how the cpu preset's choices were made.* The paper trained its base model
 # for 100,000 steps of about 25,000 target tokens; the cpu preset gets a few thousand
-# steps of about 1,300 on two cores, as many as the machine fits into 16 minutes. Its
+# steps of about 1,300 on two cores, in 16 minutes. Its
 # choices were compared on the validation split, never on the test set ([the
 # records](results/README.md)), most on an earlier, wider preset; a second seed alone
 # moves BLEU by about a point, so treat smaller gaps as ties.
@@ -3127,23 +3156,19 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # The other choices, with what each was worth (validation BLEU, greedy unless said):
 #
 # * **Pre-norm layers**: 23.8 against post-norm's 12.5 after 8 minutes, level after 16.
-# * **Small batches** of 1,500 tokens, not 2,500: level at the end over two seeds, far
-#   ahead after one epoch (8.9 and 12.8 against 5.0 and 1.5).
+# * **Small batches** of 1,500 tokens, not 2,500: far ahead after one epoch (8.9 and 12.8
+#   against 5.0 and 1.5, two seeds), level at the end.
 # * **Words, not sub-words**, whose longer sentences fit fewer epochs: 34.1 against 30.9.
-# * **No averaging**: averaging the last three epochs cost 2.5 BLEU in a run of 6
-#   epochs; in runs of 10 and 12 it moved BLEU by under a point.
+# * **No averaging**: averaging the last three epochs cost 2.5 BLEU in a 6-epoch run.
 # * **$\alpha = 1.0$** beat the paper's 0.6 in all seven comparisons, by 0.2 to 0.4 (beam).
 
 # %% [markdown]
 # ## Part 7: the trained translator
 #
-# The model is now the finished translator. We try it on sentences
-# with known references, then build a better decoder, beam search, and see what it
-# gains. Then come your own sentences and, last and once, the test set.
+# We try the trained translator on sentences with known references, then build a
+# better decoder, beam search. Then come your own sentences and, once, the test set.
 #
-# Until now the model mostly guessed the next word of a reference it was shown. Here
-# each word it writes is the input for the next, so a wrong word early can lead the
-# rest astray, which a low validation loss would not show.
+# Here each word the model writes is its next input, so an early error can derail the rest.
 #
 # ### Example translations
 #
@@ -3310,6 +3335,16 @@ def beam_search(model, src, src_mask, max_output_len, *, beam_size, alpha, ids, 
 
 
 # %% [markdown]
+# `translate` takes its search as an argument; this hands it beam search.
+
+
+# %%
+def beam_searcher(beam_size: int, alpha: float):
+    """translate's `search` for beam search with `beam_size` beams and length penalty alpha."""
+    return functools.partial(beam_search, beam_size=beam_size, alpha=alpha)
+
+
+# %% [markdown]
 # **One sentence, step by step.** The table follows a whole search with $k = 2$, on a
 # scripted "model" whose next word depends only on the last (the folded cell): `<s>` goes
 # on to "a" with 0.5 and "two" with 0.4, "a" to "dog" with 0.7, "two" to "dogs" with 0.8,
@@ -3414,13 +3449,13 @@ def beam_trace(k: int) -> list[dict]:
 # ### Greedy or beam?
 #
 # The same five sentences with the preset's beam, then validation BLEU both ways. In
-# our tuning runs of trained models, beam search added 0.3 to 2.1 BLEU on validation,
-# most often 1 to 1.5 ([the records](results/README.md)). Where the two differ, which
+# our tuning runs, beam search changed validation BLEU by −0.3 to +2.5, most often by
+# +1 to +1.5 ([the records](results/README.md)). Where the two differ, which
 # reads better?
 
 
 # %% active="ipynb"
-# beam = {"beam_size": settings.beam_size, "alpha": settings.length_penalty}
+# beam = {"search": beam_searcher(settings.beam_size, settings.length_penalty)}
 # beam_out = translate(model, examples, data.vocabs, **beam)
 # for i, g, b in zip(EXAMPLE_SENTENCES, greedy_out, beam_out, strict=True):
 #     print(f"reference: {data.val_text[i][1]}")
@@ -3459,7 +3494,7 @@ def unknown_words(sentence: str, vocabs: dict, tokenizers: dict | None = None) -
 def translate_text(model, sentence: str, data: Multi30k, *, beam_size: int = 4) -> str:
     """Translate one raw German sentence into a plain English sentence."""
     sources = [german_ids(sentence, data.vocabs)]
-    (tokens,) = translate(model, sources, data.vocabs, beam_size=beam_size)
+    (tokens,) = translate(model, sources, data.vocabs, search=beam_searcher(beam_size, 0.6))
     return detokenize(tokens)
 
 
@@ -3512,7 +3547,8 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
     results = {}
     for method, beam in (("greedy", 1), ("beam", settings.beam_size)):
         start = time.perf_counter()
-        hyps = translate(model, sources, data.vocabs, beam_size=beam, alpha=settings.length_penalty)
+        search = beam_searcher(beam, settings.length_penalty) if beam > 1 else greedy_decode
+        hyps = translate(model, sources, data.vocabs, search=search)
         results[f"{method}_seconds"] = time.perf_counter() - start
         scores = bleu_scores(hyps, references, ref_tokens)
         results[f"test2016_bleu_{method}"] = scores["bleu"]
@@ -3580,9 +3616,13 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # an English word comes from.
 #
 # Each attention head computes a matrix of weights: row $i$ says how much query position
-# $i$ draws from each key position. We translate one German sentence greedily, then run
-# the pair through the model again with `keep_weights` on in every attention block, and
-# off afterwards, so training stores nothing.
+# $i$ draws from each key position. The model keeps none, so training stores nothing.
+# To see them, for one German sentence, we:
+#
+# 1. translate it greedily;
+# 2. run the pair through the model again with a *hook* on every attention block;
+#    a hook is a function PyTorch calls with a module's inputs before it runs;
+# 3. recompute in each hook, from those inputs, the weights of its block.
 #
 # Change `ATTENTION_SENTENCE` to try others (the smoke model is too small for clear
 # patterns; the cpu preset shows them):
@@ -3603,33 +3643,39 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 ATTENTION_SENTENCE = "Ein Mann mit einem roten Hut sitzt auf einer Bank."
 
 
+def attention_weights(block: MultiHeadAttention, *, query, key, value, mask=None) -> Tensor:
+    """The weights (B, h, T_q, T_k) that `block` computes for these inputs."""
+    q, k = block.split_heads(block.w_q(query)), block.split_heads(block.w_k(key))
+    mask = None if mask is None else mask.unsqueeze(1)  # one mask for every head
+    return attention(query=q, key=k, value=k, mask=mask)[1]
+
+
 @torch.no_grad()
 def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int) -> dict:
-    """Weights (h, T_q, T_k) of every layer for one sentence pair, by attention kind.
+    """Weights (h, T_q, T_k) of each layer for one pair of id tensors, on the CPU, by kind."""
+    seen = {}  # block -> its weights
 
-    src and tgt are id tensors on the model's device; the weights come back on the CPU.
-    """
+    def capture(block, args, kwargs) -> None:  # the hook: called with the block's inputs
+        seen[block] = attention_weights(block, **kwargs)[0].cpu()
+
     blocks = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    for block in blocks:
-        block.keep_weights = True
+    hooks = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in blocks]
     try:
         model.eval()
         batch = Batch(src.unsqueeze(0), tgt.unsqueeze(0), pad_id)  # a batch of one
         model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        encoder, decoder = model.encoder.layers, model.decoder.layers
-        return {
-            "encoder self-attention": [layer.self_attn.weights[0].cpu() for layer in encoder],
-            "decoder self-attention": [layer.self_attn.weights[0].cpu() for layer in decoder],
-            "encoder-decoder attention": [layer.cross_attn.weights[0].cpu() for layer in decoder],
-        }
     finally:
-        for block in blocks:
-            block.keep_weights, block.weights = False, None
+        for hook in hooks:
+            hook.remove()
+    return {
+        "encoder self-attention": [seen[layer.self_attn] for layer in model.encoder.layers],
+        "decoder self-attention": [seen[layer.self_attn] for layer in model.decoder.layers],
+        "encoder-decoder attention": [seen[layer.cross_attn] for layer in model.decoder.layers],
+    }
 
 
 # %% [markdown]
-# One function does both steps for a sentence: translate it greedily (so `<unk>` is
-# never written), then collect the maps.
+# One function does all three for a sentence.
 
 
 # %%
@@ -3649,7 +3695,7 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 # The explorer draws one heatmap with two menus, *layer* and *head*; the browser redraws
 # it, even in the exported page, offline. The colour scale runs from 0 to 1 for every
 # head, so a pale map is a head that spreads its attention thin, and a dark square one
-# that looks at a single word. It opens on the last layer, head 0.
+# that looks at a single word.
 
 
 # %%
@@ -3700,11 +3746,9 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # The cell checks what must hold whatever the model learned:
 #
 # * one weight per (query, key) pair;
-# * each query's weights summing to 1;
-# * no weights left in the model afterwards.
+# * each query's weights summing to 1.
 #
-# Attention weights show where a head reads, not why the model chose a word. The last
-# output token, `</s>`, is never a query, as nothing is predicted after it.
+# The last output token, `</s>`, is never a query, as nothing is predicted after it.
 
 # %% active="ipynb"
 # sentence_ids = german_ids(ATTENTION_SENTENCE, data.vocabs)
@@ -3717,9 +3761,6 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # )
 # assert torch.allclose(
 #     maps["encoder self-attention"][0].sum(-1), torch.ones(settings.h, len(src_tokens))
-# )
-# assert all(
-#     block.weights is None for block in model.modules() if isinstance(block, MultiHeadAttention)
 # )
 # axes = {  # (queries, keys) of each kind; the last output token is never a query
 #     "encoder self-attention": (src_tokens, src_tokens),
@@ -3866,17 +3907,21 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # Four things change:
 #
 # 1. the ranks build the model from one seed, re-seed apart when the run starts (so
-#    their dropout differs), then wrap it in DDP (the line marked "Part 10" in `train`);
+#    their dropout differs), then wrap it in DDP;
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
-#    $W$ (the line marked "Part 10" in the batching helper);
+#    $W$;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
 # 4. each divides its loss by a $W$-th of the step's tokens on all ranks,
 #    so DDP's average is no mean of means.
 #
+# Why equal shares? A rank one batch short would miss an all-reduce: the rest hang or fail.
+#
 # The schedule advances $W$ steps per optimizer step: $W$ ranks consume $W$ times the
 # data.
 #
-# Only rank 0 translates the validation set after each epoch.
+# Only rank 0 translates the validation set after each epoch. Part 6's loop does not
+# change: it asks its `processes` for the model to train, the batches and the epoch,
+# and `DDPProcesses`, below, answers for several processes.
 
 
 # %%
@@ -3903,7 +3948,8 @@ def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[
 
 # %% [markdown]
 # `ddp_epoch` is `run_epoch` for one rank, with changes 3 and 4 and the schedule's $W$
-# steps, numbered in comments; `train` makes changes 1 and 2 before calling it.
+# steps, numbered in comments. `DDPProcesses` hands all of it to Part 6's `train`, in
+# place of one process: DDP's wrapper, the rank's share of the batches, and its epoch.
 
 # %%
 from plumbing import sum_over_ranks  # an all-reduce of a few numbers (one process: as is)
@@ -3939,11 +3985,27 @@ def ddp_epoch(
     return total_loss / max(total_tokens, 1)
 
 
+# %%
+class DDPProcesses(Processes):
+    """One of world_size processes: DDP's wrapper, this rank's share, ddp_epoch."""
+
+    def share(self, batches: list[list[int]]) -> list[list[int]]:
+        return shard_batches(batches, self.rank, self.world_size)  # (2)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(model)  # (1)
+
+    def epoch(self, batches, model, criterion, optimizer, schedule, **options) -> float:
+        return ddp_epoch(batches, model, criterion, optimizer, schedule,
+                         world_size=self.world_size, **options)  # fmt: skip
+
+
 # %% [markdown]
-# `trainer.train_distributed` starts one process per GPU, or two CPU processes talking
-# through `gloo` on a laptop, and each runs the notebook's `train` with its rank. A new
-# process cannot see this notebook, so the workers import its `.py` twin: an edit you
-# made here reaches them only after `make sync`, and the cell says so.
+# `train_distributed`, in tools/train_ddp.py, starts one process per GPU, or two CPU
+# processes talking through `gloo` on a laptop, and each runs the notebook's `train` with
+# its `DDPProcesses`. A new process cannot see this notebook, so the workers import its
+# `.py` twin: an edit you made here reaches them only after `make sync`, and the cell
+# says so.
 
 # %% active="ipynb"
 # import importlib.util
@@ -3952,12 +4014,13 @@ def ddp_epoch(
 #     print(f"skipped: DDP needs annotated_transformer.py: clone {REPO_URL}, run `make lab`")
 # else:
 #     from plumbing import read_checkpoint
+#     from tools.train_ddp import not_in_twin, train_distributed
 #
-#     edited = trainer.not_in_twin(globals())
+#     edited = not_in_twin(globals())
 #     if edited:
 #         print(f"the workers train the twin's code, without your edits to {', '.join(edited)}")
 #     ddp_settings = dataclasses.replace(get_settings("smoke"), name="smoke-ddp")
-#     ddp_folder = trainer.train_distributed(ddp_settings, DATA_DIR, world_size=2)
+#     ddp_folder = train_distributed(ddp_settings, DATA_DIR, world_size=2)
 #     ddp_history = read_checkpoint(ddp_folder / "final.pt")["history"]
 #     for h in ddp_history:
 #         print(f"2 ranks, epoch {h['epoch']}: train loss {h['train_loss']:.3f}, ", end="")

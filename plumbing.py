@@ -15,9 +15,12 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 This module never imports the notebook; the notebook imports it.
 """
 
+import ast
 import ctypes
+import dataclasses
 import gzip
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -25,7 +28,10 @@ import random
 import socket
 import sys
 import tempfile
+import textwrap
+import types
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +198,139 @@ def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str
     if len(kept) < len(pairs):
         print(f"{split}: skipped {len(pairs) - len(kept)} pairs with an empty line")
     return kept
+
+
+# --- the code that training reaches, for a run's name ------------------------------------
+
+PROJECT = Path(__file__).resolve().parent  # where the lesson's modules live
+
+
+def canonical(node) -> str:
+    """A syntax tree as text, without positions, docstrings or fields that differ between
+    Python 3.11, 3.12 and 3.13, so one piece of code reads the same on each."""
+    if isinstance(node, list):
+        return "[" + ", ".join(canonical(n) for n in node) + "]"
+    if not isinstance(node, ast.AST):
+        return repr(node)
+    body = getattr(node, "body", None)
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            if isinstance(first.value.value, str):  # a docstring
+                node = type(node)(**{**vars(node), "body": body[1:] or [ast.Pass()]})
+    skip = {"ctx", "kind", "type_comment", "type_params"}
+    fields = [
+        f"{name}={canonical(value)}"
+        for name, value in ast.iter_fields(node)
+        if name not in skip and value is not None and value != []
+    ]
+    return f"{type(node).__name__}({', '.join(fields)})"
+
+
+def code_of(value, home: str) -> str:
+    """A function's code (its decorators included); a class's code. A class of the lesson
+    (module `home`, a kernel's) counts by its bases, fields and members, so a method added
+    in a later cell counts; a class of a project file counts by its text in the file."""
+    if isinstance(value, type) and value.__module__ == home:
+        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
+        parts = [f"class {value.__qualname__}({[b.__qualname__ for b in value.__bases__]})"]
+        default = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+        parts += [f"{f.name}: {f.type} = {default.get(f.name, '')!r}" for f in fields]
+        for name, member in sorted(vars(value).items()):
+            function = members_code(member)
+            if function is not None and not is_lesson_code(function, value.__module__):
+                continue  # a test's or a tool's stand-in: not the lesson's code
+            made = {"<string>", dataclasses.__file__}  # where @dataclass makes its methods
+            if function is not None and function.__code__.co_filename in made:
+                parts.append(name)  # made from the fields above
+            elif function is not None:
+                parts.append(f"{name}: {code_of(function, home)}")
+            elif isinstance(member, int | float | str | bool | tuple) and name[:2] != "__":
+                parts.append(f"{name} = {member!r}")
+        return "\n".join(parts)
+    try:
+        return canonical(ast.parse(textwrap.dedent(inspect.getsource(value))))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise CheckpointError(
+            f"cannot read the code of {value.__qualname__} ({error}): define it in a cell "
+            "or a file, so that the run's folder can be named by it"
+        ) from error
+
+
+def members_code(member):
+    """The function behind a class member (a method, property, static or class method)."""
+    member = member.fget if isinstance(member, property) else member
+    function = inspect.unwrap(getattr(member, "__func__", member))
+    return function if inspect.isfunction(function) else None
+
+
+def reached_from(value) -> Iterator[tuple[str, dict]]:
+    """The global names a function or class uses, each with the namespace to look it up in.
+
+    `trainer.start` names both `trainer` and `start`: a name is also looked up in the
+    project's modules that the code names. Default arguments count too."""
+    if isinstance(value, type):
+        for base in value.__bases__:
+            yield base.__name__, {base.__name__: base}
+        for member in vars(value).values():
+            function = members_code(member)
+            if function is not None and is_lesson_code(function, value.__module__):
+                yield from reached_from(function)
+        return
+
+    def names_in(code: types.CodeType) -> set[str]:
+        inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        return set(code.co_names).union(*(names_in(c) for c in inner))
+
+    scope, names = value.__globals__, names_in(value.__code__)
+    modules = [scope[n] for n in names if isinstance(scope.get(n), types.ModuleType)]
+    modules = [m for m in modules if Path(getattr(m, "__file__", "/")).parent == PROJECT]
+    for name in sorted(names):
+        yield name, scope
+        yield from ((name, vars(m)) for m in modules if name in vars(m))
+    defaults = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+    for default in defaults:
+        kind = default if callable(default) and hasattr(default, "__qualname__") else None
+        kind = kind or type(default)
+        yield kind.__name__, {kind.__name__: kind}
+
+
+def is_lesson_code(value, home: str) -> bool:
+    """A function or class of the lesson (module `home`) or of a module of this project."""
+    if not (inspect.isfunction(value) or isinstance(value, type)):
+        return False
+    if getattr(value, "__module__", None) == home:
+        return True
+    try:
+        source = inspect.getsourcefile(value)
+    except TypeError:  # built in
+        return False
+    return source is not None and Path(source).resolve().parent == PROJECT
+
+
+def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
+    """A hash of each function, class and constant that `roots` reach, name by name.
+
+    `namespace` is the notebook's (its `globals()`) or the twin's: an edited cell counts.
+    A definition that training never calls (beam search, the heatmaps, Part 8's sentence)
+    is not reached, so editing it keeps the trained model.
+    """
+    home = namespace.get("__name__")
+    todo = [(name, namespace) for name in roots]
+    found: dict[str, str] = {}
+    while todo:
+        name, scope = todo.pop()
+        value = inspect.unwrap(scope[name]) if callable(scope.get(name)) else scope.get(name)
+        module = scope.get("__name__", getattr(value, "__module__", home))
+        label = name if module in (home, None) else f"{module}.{name}"
+        if label in found or name not in scope:
+            continue
+        if is_lesson_code(value, home):
+            found[label] = fingerprint(code_of(value, home))
+            todo += reached_from(value)
+        elif name.isupper() and isinstance(value, int | float | str | bool | tuple | frozenset):
+            found[label] = repr(value)  # MAX_POSITIONS, SPECIALS and the like
+    return dict(sorted(found.items()))
 
 
 # --- checkpoints and random states --------------------------------------------------------

@@ -16,7 +16,14 @@ SEED = 42  # the default seed of every preset
 
 
 def refuse_unknown_choices(settings) -> None:
-    """Stop with one line if a setting typed Literal[...] holds another value."""
+    """Stop with one line if a setting typed Literal[...] holds another value, or if both
+    `epochs` and `train_minutes` would decide how long to train."""
+    if settings.epochs is not None and settings.train_minutes is not None:
+        raise ValueError(
+            f"epochs={settings.epochs} and train_minutes={settings.train_minutes:g} both set "
+            "how long to train: keep one, e.g. dataclasses.replace(settings, "
+            f"epochs={settings.epochs}, train_minutes=None)"
+        )
     for name, kind in type(settings).__annotations__.items():
         allowed = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         if allowed and getattr(settings, name) not in allowed:
@@ -40,7 +47,7 @@ class Settings:
     bpe_merges: int = 0  # 0: a word vocabulary per language; else one joint sub-word one
     batch_tokens: int = 4000  # token budget of one micro-batch (padding included)
     accum_iter: int = 1  # micro-batches per optimizer step
-    epochs: int = 10  # a fixed amount of training, unless train_minutes is set
+    epochs: int | None = None  # how many epochs to train; or else:
     train_minutes: float | None = None  # plan the epochs to end training after this long
     warmup: int = 4000  # optimizer steps of linear learning-rate warm-up
     lr_factor: float = 1.0  # multiplies the paper's learning-rate formula
@@ -52,7 +59,7 @@ class Settings:
     beam_size: int = 4  # the paper's beam size
     length_penalty: float = 0.6  # the paper's alpha
     seed: int = SEED
-    __post_init__ = refuse_unknown_choices  # a wrong schedule or precision stops here
+    __post_init__ = refuse_unknown_choices  # a wrong choice, or two lengths, stops here
 
 
 SMOKE = Settings(

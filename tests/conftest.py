@@ -1,12 +1,16 @@
-"""Shared test set-up: the notebook's .py twin on the path, the Multi30k data, and CI's rules.
+"""Shared test set-up: the notebook's .py twin on the path, the Multi30k data, the one set
+of tiny settings and model, weight comparisons, and CI's rules.
 
-The data tests find Multi30k where the notebook does: in `MULTI30K_DIR` if it is set,
-else in the project's `data/`, downloading and checking the files that are missing there.
-When the data cannot be had, those tests skip, and the end of the run says why. Under CI
+The data tests ask for the session fixture `multi30k`, which finds Multi30k where the
+notebook does: in `MULTI30K_DIR` if it is set, else in the project's `data/`, downloading
+and checking the files that are missing there (at first use, never at import). When the
+data cannot be had, those tests skip, and the end of the run says why. Under CI
 (`CI=true`) a skip for a missing prerequisite (the data, Chromium) fails instead: CI must
 run every test. Only a skip for a missing GPU stays a skip there.
 """
 
+import dataclasses
+import functools
 import os
 import re
 import sys
@@ -47,7 +51,30 @@ def find_multi30k(data_dir: Path = ROOT / "data") -> tuple[Path, str]:
     return data_dir, f"Multi30k from {data_dir} (checked by SHA-256)"
 
 
-MIRROR, MIRROR_SOURCE = find_multi30k()
+@functools.cache
+def multi30k_folder() -> tuple[Path, str]:
+    """find_multi30k(), once per session, on first use."""
+    found = find_multi30k()
+    DATA_AFTER_FETCH.update(files_under(ROOT / "data"))  # what the fetch itself wrote
+    return found
+
+
+@pytest.fixture(scope="session")
+def multi30k() -> Path:
+    """The folder that holds Multi30k (MULTI30K_DIR, or data/ after downloading the files
+    it lacks); skips, saying why, when the data cannot be had."""
+    folder, source = multi30k_folder()
+    if not folder.is_dir():
+        pytest.skip(f"no Multi30k mirror: {source}")
+    return folder
+
+
+@pytest.fixture
+def multi30k_env(multi30k, monkeypatch) -> Path:
+    """MULTI30K_DIR set to the data for this test and the processes it starts."""
+    monkeypatch.setenv("MULTI30K_DIR", str(multi30k))
+    return multi30k
+
 
 # Whatever runs the tests (make test, or pytest by hand), the notebook's kernel and the
 # tests train the smoke preset and write only under build/smoke/, never into data/.
@@ -84,7 +111,7 @@ def files_under(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in found}
 
 
-DATA_AT_START = files_under(ROOT / "data")  # after find_multi30k's downloads, if any
+DATA_AFTER_FETCH: dict = {}  # data/ after the Multi30k fetch: the tests change nothing else
 
 
 def on_ci() -> bool:
@@ -102,7 +129,8 @@ def pytest_runtest_makereport(item, call):
     if LEGITIMATE_SKIP.search(reason):
         return report
     report.outcome = "failed"
-    data = f" ({MIRROR_SOURCE})" if "Multi30k" in reason and not MIRROR.is_dir() else ""
+    missing = "Multi30k" in reason and not multi30k_folder()[0].is_dir()
+    data = f" ({multi30k_folder()[1]})" if missing else ""
     report.longrepr = (
         f"{reason.removeprefix('Skipped: ')}{data}: under CI=true a test may not skip "
         "for a missing prerequisite; provide it"
@@ -112,18 +140,21 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_terminal_summary(terminalreporter):
     """Say why the data tests skipped, so that no skip goes unexplained."""
-    if terminalreporter.stats.get("skipped") and not MIRROR.is_dir():
+    skipped = terminalreporter.stats.get("skipped", [])
+    for_data = any("Multi30k" in str(report.longrepr) for report in skipped)
+    if for_data and not multi30k_folder()[0].is_dir():
         terminalreporter.write_line(
-            f"the tests that need Multi30k were skipped: {MIRROR_SOURCE}",
+            f"the tests that need Multi30k were skipped: {multi30k_folder()[1]}",
             yellow=True,
         )
 
 
 def prepared_data(settings, data_dir: Path, monkeypatch):
     """The notebook's prepare_data for `settings`, from the mirror; skips without it."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+    folder, source = multi30k_folder()
+    if not folder.is_dir():
+        pytest.skip(f"no Multi30k mirror: {source}")
+    monkeypatch.setenv("MULTI30K_DIR", str(folder))
     import annotated_transformer  # here, not at the top: conftest loads before the path is set
 
     return annotated_transformer.prepare_data(settings, data_dir)
@@ -192,8 +223,6 @@ CPU = torch.device("cpu")
 
 def quick_settings():
     """The smoke preset cut to one quick epoch on 200 pairs (about a second of training)."""
-    import dataclasses
-
     import annotated_transformer as at
 
     return dataclasses.replace(
@@ -219,3 +248,43 @@ def train_as_the_notebook(settings, data, data_dir, namespace=None, *, device=CP
     finished = trainer.load_final(folder, names["model_for"](settings, data.vocabs).to(device))
     model, history = finished or names["train"](settings, data, folder, device=device)
     return model, history, folder
+
+
+# --- the tiny model and settings that many tests share, and comparing weights --------------
+
+TINY_MODEL = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
+
+
+def tiny_model(vocab: int = 11, *, seed: int | None = None, **options):
+    """An untrained one-layer model of width 16 over `vocab` words (seeded if asked)."""
+    import annotated_transformer as at
+
+    if seed is not None:
+        at.set_seed(seed)
+    return at.make_model(vocab, vocab, at.ModelConfig(**{**TINY_MODEL, **options}))
+
+
+def tiny_settings(**changes):
+    """The tiny model's settings for a two-epoch run on 200 training pairs."""
+    import annotated_transformer as at
+
+    tiny = at.Settings(
+        name="tiny", **TINY_MODEL, train_pairs=200, eval_pairs=20, batch_tokens=400,
+        accum_iter=2, epochs=2, warmup=10,
+    )  # fmt: skip
+    return dataclasses.replace(tiny, **changes)
+
+
+def assert_same_weights(a, b) -> None:
+    """Two models (or state dicts) with bit-identical weights."""
+    a, b = (w.state_dict() if hasattr(w, "state_dict") else w for w in (a, b))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def same_weights(a, b) -> bool:
+    """Whether two models (or state dicts) hold bit-identical weights."""
+    try:
+        assert_same_weights(a, b)
+    except AssertionError:
+        return False
+    return True

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import annotated_transformer as at
-import trainer
 from plumbing import free_port
+from tools import train_ddp
 
 
 def stop_after_step(step: int, stop) -> None:
@@ -49,7 +49,7 @@ def worker(
     separate: bool = False,
     fail_rank: int | None = None,
 ):
-    """trainer.ddp_worker, with every rank (or only `fail_rank`) raising right after
+    """train_ddp.ddp_worker, with every rank (or only `fail_rank`) raising right after
     optimizer step `fail_at`; `separate`: each rank on a data folder of its own, as on
     machines that share no filesystem (they still meet over TCP)."""
     torch.set_num_threads(1)
@@ -61,11 +61,11 @@ def worker(
         stop_after_step(fail_at, fail)
     if separate:
         data_dir = str(machine_folder(data_dir, rank))
-    trainer.ddp_worker(rank, world_size, fields, data_dir, port)
+    train_ddp.ddp_worker(rank, world_size, fields, data_dir, port)
 
 
 def rank_1_fails_at_step_3(rank: int, world_size: int, fields: dict, data_dir: str, port) -> None:
-    """A stand-in for trainer.ddp_worker, with its arguments, for trainer.train_distributed
+    """A stand-in for train_ddp.ddp_worker, with its arguments, for train_ddp.train_distributed
     to start: rank 1 raises after optimizer step 3, rank 0 trains on as if nothing happened."""
     worker(rank, world_size, fields, data_dir, port, fail_at=3, fail_rank=1)
 

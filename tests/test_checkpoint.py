@@ -2,8 +2,8 @@
 averaging; and decoding with beam search and the key-value cache."""
 
 import contextlib
-import copy
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -14,38 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MIRROR, ROOT, quick_settings, tiny_data, train_as_the_notebook
+from conftest import (
+    ROOT,
+    assert_same_weights,
+    multi30k_folder,
+    quick_settings,
+    tiny_data,
+    tiny_settings,
+    train_as_the_notebook,
+)  # fmt: skip
 
 import annotated_transformer as at
 import trainer
 from plumbing import CheckpointError, read_checkpoint, save_checkpoint
 
-TINY = at.Settings(
-    name="tiny",
-    N=1,
-    d_model=16,
-    d_ff=32,
-    h=2,
-    train_pairs=200,
-    eval_pairs=20,
-    batch_tokens=400,
-    accum_iter=2,
-    epochs=2,
-    warmup=10,
-    beam_size=3,
-)
+TINY = tiny_settings(dropout=0.1, beam_size=3)
 # the quick preset for two epochs: linear decay to zero and clipping, as the cpu preset
 TWO_EPOCHS = dataclasses.replace(quick_settings(), epochs=2)
-
-
-def parameters(model):
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
-
-
-def assert_same_weights(a, b) -> None:
-    a, b = parameters(a), parameters(b)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def losses(history) -> list:
@@ -59,9 +44,11 @@ class Stopped(Exception):
 @contextlib.contextmanager
 def stopped_at_save(when, *, written: bool):
     """Run.save raises Stopped on its first call where when(run) holds: right after
-    writing last.pt (written=True), or instead of writing it (killed just before)."""
+    writing last.pt (written=True), or instead of writing it (killed just before).
+    functools.wraps keeps Run's code, and so the run's folder, as it was."""
     save = trainer.Run.save
 
+    @functools.wraps(save)
     def save_or_stop(run):
         if when(run):
             if written:
@@ -79,7 +66,7 @@ def stopped_at_save(when, *, written: bool):
 
 def at_an_epochs_end(epoch: int):
     """when() for stopped_at_save: the save that ends epoch `epoch`."""
-    return lambda run: run.epoch == epoch + 1 and run.done == 0
+    return lambda run: run.epoch == epoch + 1 and run.now.done == 0
 
 
 @pytest.mark.slow
@@ -152,202 +139,6 @@ def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path):
     assert marker.read_text() == "code ran"
 
 
-def assert_equal_or_tied(ours, theirs, model, src, src_mask, tol=1e-4) -> None:
-    """Two greedy-like decodes of `src` are equal, or each sentence where they part had a
-    near tie at the first word they disagree on.
-
-    Two decoders whose log-probabilities differ by rounding pick the same word unless the
-    best two are within that rounding of each other; which one wins then depends on the
-    CPU's kernels. A wrong decoder parts at a word that loses by far more than `tol`.
-    """
-    width = max(ours.size(1), theirs.size(1))
-    pad = torch.nn.functional.pad
-    ours, theirs = (pad(ys, (0, width - ys.size(1)), value=-1) for ys in (ours, theirs))
-    memory = model.encode(src, src_mask)
-    for row in (ours != theirs).any(dim=1).nonzero().flatten().tolist():
-        t = int((ours[row] != theirs[row]).nonzero()[0])  # the first word they disagree on
-        full = at.FullPrefix(model, memory[row : row + 1], src_mask[row : row + 1])
-        log_probs = full(ours[row : row + 1, :t])[0]  # (V,) after their common prefix
-        words = ours[row, t], theirs[row, t]
-        assert min(words) >= 0, f"sentence {row}: one decode stopped, the other did not"
-        gap = (log_probs[words[0]] - log_probs[words[1]]).abs().item()
-        assert gap < tol, f"sentence {row}, word {t}: no tie, the log-probs are {gap:.1e} apart"
-
-
-@pytest.mark.numerics
-def test_beam_of_one_equals_greedy(quick_data):
-    at.set_seed(3)
-    model = at.model_for(TINY, quick_data.vocabs).eval()
-    en = quick_data.vocabs["en"]
-    src = at.collate(quick_data.val, list(range(10)), en.pad_id)
-    ids = en.special_ids()
-    greedy = at.greedy_decode(model, src.src, src.src_mask, 20, ids=ids)
-    beam = at.beam_search(model, src.src, src.src_mask, 20, beam_size=1, alpha=0.6, ids=ids)
-    assert greedy.size(1) > 5, "the sentences are several words long"
-    with torch.no_grad():
-        assert_equal_or_tied(beam, greedy, model, src.src, src.src_mask)
-
-
-@pytest.fixture(scope="module")
-def decoding(tmp_path_factory):
-    """A briefly trained small model (its weights vary a little between CPUs; no test
-    relies on how well it learned)."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    folder = tmp_path_factory.mktemp("decoding")
-    settings = dataclasses.replace(
-        TINY, d_model=32, d_ff=64, train_pairs=1000, batch_tokens=800, accum_iter=1, epochs=3
-    )
-    settings = dataclasses.replace(settings, warmup=30, lr_factor=2.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MULTI30K_DIR", str(MIRROR))
-        data = at.prepare_data(settings, folder)
-    model, _, _ = train_as_the_notebook(settings, data, folder)
-    return model.eval(), data
-
-
-def with_attention(model, use_sdpa: bool):
-    """A copy of the trained model whose attention runs on PyTorch's fused kernel
-    (use_sdpa) or on the lesson's own attention()."""
-    other = copy.deepcopy(model).eval()
-    layers = [m for m in other.modules() if isinstance(m, at.MultiHeadAttention)]
-    assert layers
-    for layer in layers:
-        layer.use_sdpa = use_sdpa
-    return other
-
-
-def assert_cached_equals_full(model, data):
-    """Step by step over real targets, the cached log-probs equal the full recompute's."""
-    src = at.collate(data.val, list(range(12)), data.vocabs["en"].pad_id)
-    with torch.no_grad():
-        memory = model.encode(src.src, src.src_mask)
-        full = at.FullPrefix(model, memory, src.src_mask)
-        cached = at.CachedPrefix(model, memory, src.src_mask)
-        for t in range(1, src.tgt_in.size(1) + 1):
-            prefix = src.tgt_in[:, :t]
-            assert torch.allclose(full(prefix), cached(prefix), atol=1e-4)
-
-
-@pytest.mark.slow
-@pytest.mark.numerics
-@pytest.mark.parametrize("use_sdpa", [True, False])
-def test_cached_steps_equal_the_full_recompute(decoding, use_sdpa):
-    model, data = decoding
-    assert_cached_equals_full(with_attention(model, use_sdpa), data)
-
-
-@pytest.mark.slow
-@pytest.mark.numerics
-def test_cached_steps_equal_the_full_recompute_with_pre_norm(decoding):
-    _, data = decoding
-    at.set_seed(5)
-    model = at.model_for(dataclasses.replace(TINY, pre_norm=True), data.vocabs).eval()
-    assert_cached_equals_full(model, data)
-
-
-def lockstep(record: list):
-    """A `steps` class for beam_search that runs the cache beside the full recompute.
-
-    The search follows the full recompute's log-probabilities, so both see the same
-    prefixes and the same re-ordering of beams; each step the cache's log-probabilities
-    must agree with the full recompute's. Two searches run apart, one per decoder, would
-    also agree, except where two candidates tie within rounding: which one wins then
-    depends on the CPU's kernels. `record` gets each instance (one per beam_search).
-    """
-    cached = at.CachedPrefix  # the notebook's, also where a test puts Lockstep in its place
-
-    class Lockstep(at.FullPrefix):
-        def __init__(self, model, memory, src_mask):
-            super().__init__(model, memory, src_mask)
-            self.cached = cached(model, memory, src_mask)
-            self.steps, self.gap, self.moved = 0, 0.0, False
-            record.append(self)
-
-        def __call__(self, ys):
-            full = super().__call__(ys)
-            self.gap = max(self.gap, (full - self.cached(ys)).abs().max().item())
-            self.steps += 1
-            return full
-
-        def reorder(self, rows):
-            self.moved |= not torch.equal(rows, torch.arange(len(rows)))
-            self.cached.reorder(rows)
-
-    return Lockstep
-
-
-def ending_at(steps, ends: list[int], k: int, end_id: int):
-    """A version of the `steps` class that makes sentence b end exactly at step ends[b]:
-    </s> gets log-probability 0 (certain) then and is ruled out before. Every other word
-    keeps the model's log-probability, so the words still come from it. Rows are beams,
-    k per sentence, in sentence order, as beam_search lays them out."""
-    ends = torch.tensor(ends)
-
-    class Ending(steps):
-        def __call__(self, ys):
-            log_probs = super().__call__(ys).clone()  # (rows, V)
-            now = ends[torch.arange(ys.size(0)) // k] == ys.size(1) - 1
-            log_probs[:, end_id] = torch.where(now, 0.0, -1e9)
-            return log_probs
-
-    return Ending
-
-
-@pytest.mark.slow
-@pytest.mark.numerics
-def test_the_cache_follows_greedy_and_beam_search(decoding):
-    """Sentences that end at different steps (constructed, not left to training): at every
-    step of greedy decoding, and of beam search with one beam and with four, the cache,
-    re-ordered as the beams move, gives the full recompute's log-probabilities."""
-    model, data = decoding
-    en = data.vocabs["en"]
-    src = at.collate(data.val, list(range(20)), en.pad_id)
-    ids = en.special_ids()
-    ends = [3 + (7 * b) % 20 for b in range(20)]  # steps 3 .. 22, all different from 30
-    for search_with, k in (("greedy", 1), ("beam", 1), ("beam", 4)):
-        record = []
-        steps = ending_at(lockstep(record), ends, k, en.eos_id)
-        if search_with == "greedy":  # translate's path for one beam
-            out = at.greedy_decode(model, src.src, src.src_mask, 30, ids=ids, scorer=steps)
-        else:
-            out = at.beam_search(
-                model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, scorer=steps
-            )
-        (search,) = record
-        assert search.steps == max(ends) + 1 and search.gap < 1e-4, (search_with, k, search.gap)
-        assert search.moved == (k > 1), "beam search re-orders the beams, and the cache"
-        lengths = (out != en.pad_id).sum(dim=1)  # <s>, the words and </s>
-        assert lengths.tolist() == [end + 2 for end in ends]  # ended where constructed
-        words = out[:, 1:-1]
-        assert len(set(map(tuple, words.tolist()))) > 10, "the words come from the model"
-
-
-@pytest.mark.slow
-@pytest.mark.numerics
-def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypatch):
-    """translate's cached path, with its chunks and banned words, keeps the cache in step
-    with the full recompute (see lockstep); both paths then give the same translations."""
-    model, data = decoding
-    sources = [pair[0] for pair in data.val]
-    plain = at.translate(model, sources, data.vocabs, beam_size=3, cached=False)
-    record = []
-    monkeypatch.setattr(at, "CachedPrefix", lockstep(record))
-    assert at.translate(model, sources, data.vocabs, beam_size=3) == plain
-    assert record and all(search.steps > 5 and search.gap < 1e-4 for search in record)
-
-
-@pytest.mark.slow
-def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, capsys):
-    model, data = decoding
-    limit = at.positions_of(model)
-    de = data.vocabs["de"]
-    long_source = [de.bos_id, *[de.unk_id] * (limit + 20), de.eos_id]
-    out = at.translate(model, [long_source, data.val[0][0]], data.vocabs, beam_size=2)
-    assert f"cut 1 of 2 sources longer than {limit} tokens" in capsys.readouterr().out
-    assert len(out) == 2 and len(out[0]) < limit
-
-
 # --- killed for real: SIGKILL, no cleanup, no finally blocks ------------------------------
 
 CHILD = """
@@ -379,7 +170,8 @@ def run_child(tmp_path, data_dir, kill_at, settings=KILLED):
     script.write_text(CHILD)
     out = tmp_path / f"out-{data_dir.name}-{kill_at}.pt"
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "MULTI30K_DIR": str(MIRROR), "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
+    mirror = multi30k_folder()[0]
+    env = {**os.environ, "MULTI30K_DIR": str(mirror), "PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}
     fields = json.dumps(dataclasses.asdict(settings))
     result = subprocess.run(
         [sys.executable, str(script), str(data_dir), str(out), str(kill_at), fields],
@@ -395,8 +187,7 @@ def same_outputs(straight_out, resumed_out) -> list:
     """Asserts that the two runs' models are equal to the last bit; returns their scores."""
     a = torch.load(straight_out, weights_only=True)
     b = torch.load(resumed_out, weights_only=True)
-    assert a["model"].keys() == b["model"].keys()
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert_same_weights(a["model"], b["model"])
     scores = [
         [(h["train_loss"], h["val_loss"], h["val_bleu"], h.get("averaged")) for h in run["history"]]
         for run in (a, b)
@@ -463,7 +254,7 @@ class StepClock:
     def perf_counter(self) -> float:
         if self.run is None:
             return 0.0
-        step, first_epoch = self.run.objects[3].step, self.run.plan.epoch_steps
+        step, first_epoch = self.run.state.step, self.run.plan.epoch_steps
         return float(min(step, first_epoch) + 1000 * max(step - first_epoch, 0))
 
 
@@ -487,7 +278,7 @@ def plan_of(history) -> dict:
 
 
 # planned to the clock; no mid-epoch checkpoints
-PLANNED = dataclasses.replace(quick_settings(), train_minutes=1.5, checkpoint_steps=0)
+PLANNED = dataclasses.replace(quick_settings(), epochs=None, train_minutes=1.5, checkpoint_steps=0)
 
 
 @pytest.mark.slow
@@ -517,7 +308,7 @@ def test_a_planned_run_killed_around_its_replan_resumes_bit_for_bit(
     every_step = dataclasses.replace(PLANNED, checkpoint_steps=1)  # the same run's folder
 
     def in_last_epoch(run) -> bool:
-        return run.objects[3].step == plan["steps"] - 1
+        return run.state.step == plan["steps"] - 1
 
     with stopped_at_save(in_last_epoch, written=True):
         train_as_the_notebook(every_step, quick_data, tmp_path / "last-epoch")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import conftest
 import pytest
-from conftest import MIRROR
 
 import annotated_transformer as at
 import plumbing
@@ -20,9 +19,9 @@ def write_gz(path: Path, text: str | bytes) -> Path:
 
 
 @pytest.fixture
-def mirror(tmp_path, monkeypatch):
+def tiny_mirror(tmp_path, monkeypatch):
     """An empty MULTI30K_DIR; tests put files named tiny.<lang>.gz into it."""
-    folder = tmp_path / "mirror"
+    folder = tmp_path / "tiny_mirror"
     folder.mkdir()
     monkeypatch.setenv("MULTI30K_DIR", str(folder))
     return folder
@@ -35,54 +34,54 @@ def test_missing_mirror_folder_is_one_clear_line(tmp_path, monkeypatch):
     assert "\n" not in str(error.value)
 
 
-def test_missing_split_file(mirror):
+def test_missing_split_file(tiny_mirror):
     with pytest.raises(at.DataError, match=r"tiny\.de\.gz is missing"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
 
 
-def test_truncated_gzip(mirror):
+def test_truncated_gzip(tiny_mirror):
     full = gzip.compress(b"ein Hund\n" * 1000)
-    (mirror / "tiny.de.gz").write_bytes(full[: len(full) // 2])
-    write_gz(mirror / "tiny.en.gz", "a dog\n" * 1000)
+    (tiny_mirror / "tiny.de.gz").write_bytes(full[: len(full) // 2])
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\n" * 1000)
     with pytest.raises(at.DataError, match="is truncated: delete it"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
 
 
-def test_corrupt_gzip(mirror):
-    (mirror / "tiny.de.gz").write_bytes(b"this is not gzip at all")
-    write_gz(mirror / "tiny.en.gz", "a dog\n")
+def test_corrupt_gzip(tiny_mirror):
+    (tiny_mirror / "tiny.de.gz").write_bytes(b"this is not gzip at all")
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\n")
     with pytest.raises(at.DataError, match="is not a valid gzip file"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
 
 
-def test_checksum_mismatch_is_reported_and_the_file_kept(mirror, monkeypatch):
-    path = write_gz(mirror / "tiny.de.gz", "ein Hund\n")
-    write_gz(mirror / "tiny.en.gz", "a dog\n")
+def test_checksum_mismatch_is_reported_and_the_file_kept(tiny_mirror, monkeypatch):
+    path = write_gz(tiny_mirror / "tiny.de.gz", "ein Hund\n")
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\n")
     monkeypatch.setitem(plumbing.SHA256, "tiny.de.gz", "0" * 64)
     before = path.read_bytes()
     with pytest.raises(at.DataError, match="wrong SHA-256"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
     assert path.read_bytes() == before
 
 
-def test_line_counts_must_match(mirror):
-    write_gz(mirror / "tiny.de.gz", "ein Hund\nzwei Hunde\n")
-    write_gz(mirror / "tiny.en.gz", "a dog\n")
+def test_line_counts_must_match(tiny_mirror):
+    write_gz(tiny_mirror / "tiny.de.gz", "ein Hund\nzwei Hunde\n")
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\n")
     with pytest.raises(at.DataError, match="has 2 lines but .* has 1"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
 
 
-def test_text_must_be_utf8(mirror):
-    write_gz(mirror / "tiny.de.gz", "ein Hund\n".encode("utf-16"))
-    write_gz(mirror / "tiny.en.gz", "a dog\n")
+def test_text_must_be_utf8(tiny_mirror):
+    write_gz(tiny_mirror / "tiny.de.gz", "ein Hund\n".encode("utf-16"))
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\n")
     with pytest.raises(at.DataError, match="is not UTF-8 text"):
-        at.load_pairs("tiny", mirror)
+        at.load_pairs("tiny", tiny_mirror)
 
 
-def test_empty_lines_are_skipped_with_a_count(mirror, capsys):
-    write_gz(mirror / "tiny.de.gz", "ein Hund\n\nzwei Hunde\n")
-    write_gz(mirror / "tiny.en.gz", "a dog\nsomething\ntwo dogs\n")
-    assert at.load_pairs("tiny", mirror) == [("ein Hund", "a dog"), ("zwei Hunde", "two dogs")]
+def test_empty_lines_are_skipped_with_a_count(tiny_mirror, capsys):
+    write_gz(tiny_mirror / "tiny.de.gz", "ein Hund\n\nzwei Hunde\n")
+    write_gz(tiny_mirror / "tiny.en.gz", "a dog\nsomething\ntwo dogs\n")
+    assert at.load_pairs("tiny", tiny_mirror) == [("ein Hund", "a dog"), ("zwei Hunde", "two dogs")]
     assert "skipped 1 pairs with an empty line" in capsys.readouterr().out
 
 
@@ -130,10 +129,12 @@ def fetched(published, monkeypatch):
 
 
 def test_tests_find_the_data_in_multi30k_dir_first(tmp_path, monkeypatch, fetched):
-    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "mirror"))
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "tiny_mirror"))
     folder, source = conftest.find_multi30k(tmp_path / "data")
-    assert folder == tmp_path / "mirror" and "mirror is not a folder: point it at" in source
-    (tmp_path / "mirror").mkdir()
+    assert (
+        folder == tmp_path / "tiny_mirror" and "tiny_mirror is not a folder: point it at" in source
+    )
+    (tmp_path / "tiny_mirror").mkdir()
     assert conftest.find_multi30k(tmp_path / "data")[1].startswith("Multi30k from MULTI30K_DIR=")
     assert fetched == []
 
@@ -200,12 +201,10 @@ def test_vocabulary_json_round_trip(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def real_train(tmp_path_factory):
+def real_train(tmp_path_factory, multi30k):
     """The real training split, encoded, as the cpu preset sees it."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
     mp = pytest.MonkeyPatch()
-    mp.setenv("MULTI30K_DIR", str(MIRROR))
+    mp.setenv("MULTI30K_DIR", str(multi30k))
     settings = at.get_settings("cpu")
     text = at.load_pairs("train", at.DATA_DIR)
     tokens = at.cached_tokens("train", text, at.make_tokenizers(), at.DATA_DIR)

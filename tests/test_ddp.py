@@ -12,34 +12,16 @@ from pathlib import Path
 import pytest
 import stopping_jobs
 import torch
-from conftest import CPU, MIRROR, ROOT, prepared_data, tiny_data
+from conftest import CPU, ROOT, assert_same_weights, prepared_data, tiny_data, tiny_settings
 
 import annotated_transformer as at
 import trainer
 from plumbing import CheckpointError, free_port, read_checkpoint
+from tools import train_ddp
 
-TINY = at.Settings(
-    name="ddp-test",
-    N=1,
-    d_model=16,
-    d_ff=32,
-    h=2,
-    dropout=0.0,
-    train_pairs=120,
-    eval_pairs=10,
-    batch_tokens=300,
-    accum_iter=2,
-    epochs=2,
-    warmup=8,
-)
+DDP = train_ddp.ROOTS  # what DDP's workers train with, which names their run's folder
 
-
-@pytest.fixture
-def mirror(monkeypatch):
-    """MULTI30K_DIR for this process and the ranks it starts; skips without the mirror."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    monkeypatch.setenv("MULTI30K_DIR", str(MIRROR))
+TINY = tiny_settings(name="ddp-test", train_pairs=120, eval_pairs=10, batch_tokens=300, warmup=8)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -74,10 +56,10 @@ def sgd_with_the_schedule(model, settings, *, fused=False, total_steps=None, ran
 
 
 def sgd_rank(rank: int, world_size: int, fields: dict, data_dir: str, port: int) -> None:
-    """trainer.ddp_worker, training with sgd_with_the_schedule (a spawned process's own
+    """train_ddp.ddp_worker, training with sgd_with_the_schedule (a spawned process's own
     copy of the notebook is patched, nothing in the test process)."""
     at.make_optimizer = sgd_with_the_schedule
-    trainer.ddp_worker(rank, world_size, fields, data_dir, port)
+    train_ddp.ddp_worker(rank, world_size, fields, data_dir, port)
 
 
 def reference_training(settings, data, world_size):
@@ -108,14 +90,15 @@ def only_folder(data_dir, settings) -> Path:
 
 def tokens_of_each_step(data, settings, rank: int, world_size: int) -> list[int]:
     """The real target tokens of each optimizer step of rank `rank` in epoch 0."""
-    batches = at.batches_for(data.train, data.vocabs["en"].pad_id, settings, CPU, rank=rank,
-                             world_size=world_size)  # fmt: skip
+    processes = at.DDPProcesses(rank=rank, world_size=world_size)
+    batches = at.batches_for(data.train, data.vocabs["en"].pad_id, settings, CPU,
+                             processes=processes)  # fmt: skip
     return at.tokens_per_step(batches, settings.accum_iter)
 
 
 @pytest.mark.slow
 @pytest.mark.numerics
-def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, mirror):
+def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, multi30k_env):
     """2 gloo ranks with unequal token counts take the SGD steps of one process that sees
     each step's batches padded into one. SGD, not the notebook's Adam: see
     sgd_with_the_schedule. The ranks' path and the reference's round differently (other
@@ -162,7 +145,7 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, 
     def started(rank: int) -> tuple:
         torch.manual_seed(100 + len(seen))  # whatever ran before: train seeds its own
         with pytest.raises(Started):
-            at.train(TINY, tiny_data(), tmp_path, device=CPU, rank=rank)
+            at.train(TINY, tiny_data(), tmp_path, device=CPU, processes=at.Processes(rank=rank))
         return seen[-1]
 
     (weights_0, mask_0), (weights_1, mask_1) = started(0), started(1)
@@ -172,7 +155,7 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, 
 
 
 @pytest.mark.slow
-def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch, mirror):
+def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch, multi30k_env):
     """2 ranks with dropout stop after optimizer step 5 (both raise); the restart resumes
     from the step-4 checkpoint, each rank from its own totals and random states, and
     ends bit-identical to an uninterrupted run, per-epoch train losses included."""
@@ -184,7 +167,7 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch,
     with pytest.raises(Exception, match="stopped on purpose at step 5"):
         stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=5)
     # the stopped job's optimizer was instrumented, its folder is still the run's own
-    folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped")
+    folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
     last = read_checkpoint(folder / "last.pt")
     position = last["ranks"][0]["position"]
     assert last["state"]["step"] == 4 and last["history"] == [] and position["done"] == 8
@@ -192,10 +175,12 @@ def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch,
     assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
-        read_checkpoint(trainer.run_folder(settings, data, vars(at), tmp_path / run) / "final.pt")
+        read_checkpoint(
+            trainer.run_folder(settings, data, vars(at), tmp_path / run, roots=DDP) / "final.pt"
+        )
         for run in ("straight", "stopped")
     )
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert_same_weights(a["model"], b["model"])
     losses = [[(h["train_loss"], h["val_loss"]) for h in run["history"]] for run in (a, b)]
     assert losses[0] == losses[1] and len(losses[0]) == settings.epochs
 
@@ -222,14 +207,15 @@ def run_job(code: str, timeout: float, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, mirror):
-    """trainer.train_distributed, with rank 1 raising after step 3 while rank 0 trains on
+def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, multi30k_env):
+    """train_ddp.train_distributed, with rank 1 raising after step 3 while rank 0 trains on
     (stopping_jobs' stand-in for its worker): the job ends, well before the timeout, with
     rank 1's message, and leaves no final model."""
     code = (
-        "import annotated_transformer as at, stopping_jobs, trainer\n"
-        "trainer.ddp_worker = stopping_jobs.rank_1_fails_at_step_3\n"
-        f"trainer.train_distributed(at.Settings(**{dataclasses.asdict(TINY)!r}), "
+        "import annotated_transformer as at, stopping_jobs\n"
+        "from tools import train_ddp\n"
+        "train_ddp.ddp_worker = stopping_jobs.rank_1_fails_at_step_3\n"
+        f"train_ddp.train_distributed(at.Settings(**{dataclasses.asdict(TINY)!r}), "
         f"{str(tmp_path)!r}, 2)"
     )
     result = run_job(code, timeout=120)
@@ -239,7 +225,7 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, mirror):
 
 
 @pytest.mark.slow
-def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path, mirror):
+def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path, multi30k_env):
     """Two machines without a shared filesystem: a job stopped mid-epoch left its last.pt
     on rank 0's disk only. Started again, both ranks stop before training, with one
     CheckpointError that names the cure, rather than rank 0 resuming, rank 1 starting
@@ -260,7 +246,7 @@ def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_
 
 
 @pytest.mark.slow
-def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, mirror):
+def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k_env):
     smoke = at.get_settings("smoke")
     data = prepared_data(smoke, tmp_path, monkeypatch)  # the ranks read its caches
     result = subprocess.run(
@@ -279,14 +265,16 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, mirror):
         env={**os.environ, "AT_PRESET": "smoke", "AT_DATA_DIR": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    final = read_checkpoint(trainer.run_folder(smoke, data, vars(at), tmp_path) / "final.pt")
+    final = read_checkpoint(
+        trainer.run_folder(smoke, data, vars(at), tmp_path, roots=DDP) / "final.pt"
+    )
     assert len(final["history"]) == smoke.epochs
 
 
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     """A last.pt holds one position and one set of random states per process: a run on
     another number of processes would resume from the wrong ones, so it stops in one line."""
-    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2)
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=1)
     model = at.model_for(settings, tiny_data().vocabs)
 
     def resumed_on(world_size: int) -> tuple:

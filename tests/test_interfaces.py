@@ -1,13 +1,17 @@
 """Explicit interfaces: a setting outside its values is refused, and knobs travel as small
 typed records. (A run's folder, named by what shapes its training: test_runs.py.)"""
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import annotated_transformer as at
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -105,3 +109,50 @@ def test_greedy_and_beam_search_take_the_same_special_ids():
         for row in out.tolist():
             if ids.end in row:
                 assert all(w == ids.pad for w in row[row.index(ids.end) + 1 :])
+
+
+# --- the direction of imports -------------------------------------------------------------
+
+# What each module of the project may import of the project: nothing below reaches up.
+MAY_IMPORT = {
+    "plumbing": set(),
+    "presets": set(),
+    "trainer": {"plumbing"},
+    "annotated_transformer": {"plumbing", "presets", "trainer"},
+}
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project's modules that the file at `path` imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def test_no_module_reaches_up_and_the_imports_have_no_cycle():
+    """trainer.py imports plumbing only, never the lesson or its twin; the lesson imports
+    its helpers; tools sit above all and import no test; and no import cycle."""
+    tools = {f"tools.{p.stem}": p for p in (ROOT / "tools").glob("*.py")}
+    files = {name: ROOT / f"{name}.py" for name in MAY_IMPORT} | tools
+    tests = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    graph = {name: project_imports(path, set(files) | tests) for name, path in files.items()}
+    for name, allowed in MAY_IMPORT.items():
+        assert graph[name] <= allowed, f"{name} imports {graph[name] - allowed}"
+    for name in tools:
+        assert not graph[name] & tests, f"{name} imports a test: {graph[name] & tests}"
+
+    def reaches(start: str, seen: set) -> set:
+        for module in graph[start] - seen:
+            seen.add(module)
+            reaches(module, seen)
+        return seen
+
+    cycles = [name for name in graph if name in reaches(name, set())]
+    assert not cycles, f"import cycles through {cycles}"

@@ -5,7 +5,9 @@ import shutil
 
 import pytest
 from conftest import ROOT
-from lab_browser import (
+from playwright.sync_api import expect
+
+from tools.lab_browser import (
     CHROMIUM,
     charts_drawn,
     error_outputs,
@@ -15,7 +17,6 @@ from lab_browser import (
     open_notebook,
     wait_idle,
 )
-from playwright.sync_api import expect
 
 EDITIONS = {  # notebook -> its screenshot
     "annotated_transformer.ipynb": ROOT / "build" / "smoke" / "lab_first_chart.png",

@@ -1,13 +1,19 @@
 """The model's parts against PyTorch's own implementations of the same maths."""
 
+import copy
 import dataclasses
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT
 from torch import nn
 
 import annotated_transformer as at
+
+sys.path.insert(0, str(ROOT / "tools"))
+import bench  # its FusedAttention: the lesson's block on PyTorch's fused kernel
 
 ATOL = 1e-5
 
@@ -79,18 +85,23 @@ def test_attention_with_mask_equals_sdpa(mask):
 D_MODEL, HEADS = 16, 4
 
 
-def mha_pair(use_sdpa):
-    ours = at.MultiHeadAttention(HEADS, D_MODEL, 0.0, use_sdpa).eval()
+def kernel(module: nn.Module, fused: bool) -> nn.Module:
+    """`module` with its attention on PyTorch's fused kernel (fused) or on ours."""
+    return bench.with_fused_attention(module) if fused else module
+
+
+def mha_pair(fused):
+    ours = kernel(at.MultiHeadAttention(HEADS, D_MODEL, 0.0), fused).eval()
     ref = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
     at.copy_into_pytorch(ours, ref)
     return ours, ref
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("use_sdpa", [False, True])
-def test_multi_head_self_attention_equals_pytorch(use_sdpa):
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "fused"])
+def test_multi_head_self_attention_equals_pytorch(fused):
     """Self-attention with a causal mask and a key padding mask, as in the decoder."""
-    ours, ref = mha_pair(use_sdpa)
+    ours, ref = mha_pair(fused)
     x = torch.randn(2, 6, D_MODEL)
     keep = lengths_to_mask([4, 6], 6)  # (B, T)
     mask = keep.unsqueeze(1) & at.causal_mask(6)  # (B, T, T): our convention
@@ -102,10 +113,10 @@ def test_multi_head_self_attention_equals_pytorch(use_sdpa):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("use_sdpa", [False, True])
-def test_multi_head_cross_attention_equals_pytorch(use_sdpa):
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "fused"])
+def test_multi_head_cross_attention_equals_pytorch(fused):
     """Queries and keys of different lengths, with a (B, 1, T_k) key padding mask."""
-    ours, ref = mha_pair(use_sdpa)
+    ours, ref = mha_pair(fused)
     query, memory = torch.randn(2, 3, D_MODEL), torch.randn(2, 7, D_MODEL)
     keep = lengths_to_mask([7, 4], 7)  # (B, T_k)
     out = ours(query=query, key=memory, value=memory, mask=keep.unsqueeze(1))
@@ -122,6 +133,34 @@ def test_multi_head_attention_rejects_indivisible_width():
         at.MultiHeadAttention(4, 10, 0.0)
 
 
+def test_the_first_forward_and_the_split_one_compute_the_same():
+    """Part 5 cuts Part 1's forward into projections and attend(), for the cache: the
+    class that trains has attend(), and its forward is Part 1's function."""
+    block = at.MultiHeadAttention(HEADS, D_MODEL, 0.0).eval()
+    x, keep = torch.randn(2, 5, D_MODEL), lengths_to_mask([5, 3], 5).unsqueeze(1)
+    q, k, v = (block.split_heads(w(x)) for w in (block.w_q, block.w_k, block.w_v))
+    out, _ = at.attention(query=q, key=k, value=v, mask=keep.unsqueeze(1))
+    by_hand = block.w_o(out.transpose(1, 2).reshape(2, 5, D_MODEL))  # Part 1's last lines
+    assert torch.allclose(block(query=x, key=x, value=x, mask=keep), by_hand, atol=1e-6)
+    assert torch.allclose(block.attend(q, k, v, keep), by_hand, atol=1e-6)
+
+
+def test_cpu_autocast_runs_our_attention_not_the_fused_kernel(monkeypatch):
+    """The fused kernel's bf16 backward is slow on a CPU: under CPU autocast, ours runs."""
+    mha = bench.with_fused_attention(at.MultiHeadAttention(2, 16, 0.0)).eval()
+    x = torch.randn(2, 5, 16)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused kernel was called")
+
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention", refuse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(query=x, key=x, value=x)
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(AssertionError, match="fused kernel"):
+        mha(query=x, key=x, value=x)  # outside autocast, FusedAttention does call it
+
+
 # --- encoder and decoder layers ---------------------------------------------------------
 
 D_FF = 32
@@ -129,11 +168,11 @@ D_FF = 32
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
-def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "fused"])
+def test_encoder_layer_equals_pytorch(pre_norm, fused):
     """Our encoder layer computes nn.TransformerEncoderLayer, padded positions included."""
-    config = at.ModelConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
-    ours = at.EncoderLayer(dataclasses.replace(config, pre_norm=pre_norm, use_sdpa=use_sdpa))
+    config = at.LayerConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
+    ours = kernel(at.EncoderLayer(dataclasses.replace(config, pre_norm=pre_norm)), fused)
     ref = nn.TransformerEncoderLayer(
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
@@ -159,11 +198,11 @@ def test_encoder_layer_equals_pytorch(pre_norm, use_sdpa):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
-@pytest.mark.parametrize("use_sdpa", [False, True], ids=["attention", "sdpa"])
-def test_decoder_layer_equals_pytorch(pre_norm, use_sdpa):
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "fused"])
+def test_decoder_layer_equals_pytorch(pre_norm, fused):
     """Our decoder layer computes nn.TransformerDecoderLayer with the same masks."""
-    config = at.ModelConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
-    ours = at.DecoderLayer(dataclasses.replace(config, pre_norm=pre_norm, use_sdpa=use_sdpa))
+    config = at.LayerConfig(d_model=D_MODEL, h=HEADS, d_ff=D_FF, dropout=0.0)
+    ours = kernel(at.DecoderLayer(dataclasses.replace(config, pre_norm=pre_norm)), fused)
     ref = nn.TransformerDecoderLayer(
         D_MODEL, HEADS, D_FF, dropout=0.0, batch_first=True, norm_first=pre_norm
     )
@@ -239,15 +278,14 @@ def test_tie_output_shares_the_target_embedding():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("pre_norm", [False, True], ids=["post-norm", "pre-norm"])
-def test_sdpa_and_plain_attention_give_the_same_model(pre_norm):
-    """The use_sdpa switch changes the kernel, not the function the model computes."""
+def test_fused_and_plain_attention_give_the_same_model(pre_norm):
+    """The fused kernel changes how attention is computed, not the function the model
+    computes; the swap keeps the weights."""
     plain = at.make_model(SRC_V, TGT_V, at.ModelConfig(**SMALL, pre_norm=pre_norm)).eval()
-    fused = at.make_model(
-        SRC_V, TGT_V, at.ModelConfig(**SMALL, pre_norm=pre_norm, use_sdpa=True)
-    ).eval()
-    fused.load_state_dict(plain.state_dict())
-    assert fused.decoder.layers[0].cross_attn.use_sdpa
-    assert not plain.decoder.layers[0].cross_attn.use_sdpa
+    fused = bench.with_fused_attention(copy.deepcopy(plain))
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    assert isinstance(fused.decoder.layers[0].cross_attn, bench.FusedAttention)
+    assert type(plain.decoder.layers[0].cross_attn) is at.MultiHeadAttention
     batch = small_batch()
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     assert torch.allclose(fused(*args), plain(*args), atol=ATOL)
@@ -269,6 +307,4 @@ def test_dropout_sits_where_the_paper_puts_it():
     vocabs = {"de": at.Vocab([*at.SPECIALS, "x"]), "en": at.Vocab([*at.SPECIALS, "y"])}
     trained = at.model_for(settings, vocabs).encoder.layers[0]  # what the presets train
     assert trained.attn_sublayer.dropout.p == 0.3 and trained.self_attn.dropout.p == 0.0
-    assert not trained.self_attn.use_sdpa  # the lesson's own attention() trains
-    fused = at.model_for(settings, vocabs, fused_attention=True).encoder.layers[0]
-    assert fused.self_attn.use_sdpa  # the fused kernel only when asked
+    assert type(trained.self_attn) is at.MultiHeadAttention  # the lesson's attention() trains

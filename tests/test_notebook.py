@@ -64,6 +64,7 @@ print("REPORT " + json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_importing_the_twin_defines_names_and_does_nothing_else():
     """Importing the twin (as tests, tools and DDP workers do) prints nothing, sets no
     seed, switches no renderer, changes no environment variable, and leaves only
@@ -195,7 +196,7 @@ def third_party_imports() -> set[str]:
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 found.add(node.module.split(".")[0])
-    local = {"plumbing", "presets", "trainer", "annotated_transformer"}
+    local = {"plumbing", "presets", "trainer", "annotated_transformer", "tools"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 
@@ -251,8 +252,19 @@ def bound_names(tree: ast.Module) -> tuple[set[str], set[str]]:
                 else [node.target]
             )
             for target in targets:
-                assigned |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+                assigned |= target_names(target)
     return defined, assigned
+
+
+def target_names(target: ast.expr) -> set[str]:
+    """The names an assignment rebinds: `Class.method = f` or `x[i] = v` rebinds none."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, ast.Starred):
+        return target_names(target.value)
+    if isinstance(target, ast.Tuple | ast.List):
+        return set().union(*(target_names(t) for t in target.elts))
+    return set()
 
 
 def test_no_cell_assigns_a_name_that_a_function_or_class_has():
@@ -273,6 +285,41 @@ def test_no_cell_assigns_a_name_that_a_function_or_class_has():
     assert not clashes, f"cells that assign the name of a function or class: {clashes}"
 
 
+def test_the_first_multi_head_attention_carries_only_what_the_paper_needs():
+    """Part 1's MultiHeadAttention is §3.2.2 alone: the fused kernel, the kept weights of
+    the heatmaps and the split for the key-value cache arrive where they are used."""
+    code = [c.source for c in jupytext.read(NOTEBOOK).cells if c.cell_type == "code"]
+    first = next(s for s in code if re.search(r"^class MultiHeadAttention\b", s, re.M))
+    for absent in ("use_sdpa", "keep_weights", "autocast", "def attend", "scaled_dot_product"):
+        assert absent not in first, f"the first MultiHeadAttention mentions {absent}"
+
+
+def test_every_lesson_name_that_train_uses_is_defined_above_it():
+    """The loop reads nothing ahead: run as a kernel runs the cells, every function, class
+    and constant that `train` reaches (through calls, as the run's folder follows them)
+    already exists when the cell that defines `train` has run."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from plumbing import code_reached
+
+    shell = InteractiveShell.instance()
+    try:
+        at_train = None
+        for cell in jupytext.read(NOTEBOOK).cells:
+            if cell.cell_type == "code" and cell.metadata.get("active") != "ipynb":
+                assert shell.run_cell(cell.source, silent=True).success, cell.source[:60]
+                if at_train is None and re.search(r"^def train\(", cell.source, re.M):
+                    at_train = set(code_reached(shell.user_ns))
+        after_all = set(code_reached(shell.user_ns))
+        assert at_train is not None, "no cell defines train"
+        assert {"train", "run_epoch", "model_for", "Processes"} <= at_train
+        assert not after_all - at_train, (
+            f"train reaches names defined below it: {after_all - at_train}"
+        )
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_the_notebook_and_its_twin_train_in_the_same_folder():
     """Training finds a run by a fingerprint of the lesson's code: the notebook's cells,
     run as a kernel runs them (up to the training cell, and all of them), and the imported
@@ -282,23 +329,23 @@ def test_the_notebook_and_its_twin_train_in_the_same_folder():
     from IPython.core.interactiveshell import InteractiveShell
 
     import annotated_transformer
-    import trainer
+    from plumbing import code_reached  # what names a run's folder
 
     shell = InteractiveShell.instance()
     try:
         at_training = None  # as the training cell sees it, before the cells below have run
         for cell in jupytext.read(NOTEBOOK).cells:
             if "trainer.load_final" in cell.source:
-                at_training = trainer.lesson_code(shell.user_ns)
+                at_training = code_reached(shell.user_ns)
             if cell.cell_type == "code" and cell.metadata.get("active") != "ipynb":
                 assert shell.run_cell(cell.source, silent=True).success, cell.source[:60]
-        notebook = trainer.lesson_code(shell.user_ns)
-        assert "attention" in notebook and "train" in notebook and "beam_search" in notebook
+        notebook = code_reached(shell.user_ns)
+        assert {"attention", "train", "MultiHeadAttention", "attend"} <= set(notebook)
         assert at_training is not None, "no training cell found"
         assert at_training == notebook, "a rerun after Run All would train anew"
-        assert notebook == trainer.lesson_code(vars(annotated_transformer))
+        assert notebook == code_reached(vars(annotated_transformer))
         shell.run_cell("def attention(*, query, key, value, mask=None, dropout=None): pass")
-        edited = trainer.lesson_code(shell.user_ns)  # an edit counts, and only the edit
+        edited = code_reached(shell.user_ns)  # an edit counts, and only the edit
         assert [name for name in notebook if edited[name] != notebook[name]] == ["attention"]
     finally:
         InteractiveShell.clear_instance()

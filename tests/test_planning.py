@@ -58,9 +58,9 @@ def first_epoch(run, clock, *, steps=50, seconds=0.125, first_seconds=None, toke
     target tokens each, the clock moving `seconds` a step (`first_seconds` for the first
     two, which warm up). Returns the plan as it was after each step."""
     state = at.TrainState()
-    run.objects = (None, None, None, state)  # the loop's model, optimizer, schedule, state
+    run.state = state  # the loop's TrainState (no model, optimizer or schedule here)
     accum = run.settings.accum_iter
-    run.unfinished([SimpleNamespace(ntokens=tokens // accum)] * (steps * accum))
+    run.start_epoch([SimpleNamespace(ntokens=tokens // accum)] * (steps * accum))
     plans = []
     for step in range(1, steps + 1):
         clock.now += first_seconds if first_seconds and step <= 2 else seconds
@@ -77,10 +77,10 @@ def test_a_planned_run_times_steps_3_to_23_then_fits_the_epochs_to_the_minutes(
     clock, tmp_path, capsys
 ):
     run = new_run(PLANNED, tmp_path)
-    assert run.plan.train_minutes == 1.0 and not run.plan.made
+    assert run.plan.train_minutes == 1.0 and not run.plan.timed
     # steps 1 and 2 are slow, as a first step is; steps 3 to 23 take 0.125 s for 100 tokens
     plans = first_epoch(run, clock, steps=50, first_seconds=10.0)
-    assert not plans[21].made and plans[22].made and plans[-1] == plans[22]  # after step 23
+    assert not plans[21].timed and plans[22].timed and plans[-1] == plans[22]  # after step 23
     plan = run.plan
     assert plan.tokens_per_second == 2000 / 2.5  # 20 steps: the slow ones left out
     assert plan.epoch_seconds == 5000 / plan.tokens_per_second == 6.25  # training only
@@ -89,14 +89,17 @@ def test_a_planned_run_times_steps_3_to_23_then_fits_the_epochs_to_the_minutes(
     assert plan.precision == "fp32"
     out = capsys.readouterr().out
     assert "steps 3 to 23: 800 target tokens/s" in out
-    assert "plan: epochs take 6 s here, so 9 epochs in all, 450 steps, ending about" in out
+    assert (
+        "plan: epochs take 6 s here, so 9 epochs in all; the rate reaches zero at step 450, about"
+        in out
+    )
     assert "warning" not in out
 
 
 def test_a_first_epoch_shorter_than_the_timed_steps_plans_at_its_end(clock, tmp_path):
     run = new_run(PLANNED, tmp_path)
     plans = first_epoch(run, clock, steps=12, first_seconds=10.0)
-    assert not plans[-2].made and plans[-1].made  # planned from steps 3 to 12
+    assert not plans[-2].timed and plans[-1].timed  # planned from steps 3 to 12
     assert run.plan.tokens_per_second == 900 / 1.125
     assert run.plan.epochs == 40 and run.plan.steps == 40 * 12  # epochs of 1.5 s
 
@@ -125,15 +128,16 @@ def test_a_machine_too_slow_for_the_budget_is_told_so_in_one_line(
 
 
 def test_a_fixed_run_measures_nothing(clock, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trainer.Run, "plan_from_first_steps", refuse("timing a fixed run"))
+    monkeypatch.setattr(trainer.Run, "time_first_steps", refuse("timing a fixed run"))
     fixed = dataclasses.replace(PLANNED, train_minutes=None, epochs=4)
     run = new_run(fixed, tmp_path)
     first_epoch(run, clock)
-    assert run.plan == trainer.Plan(epochs=4, precision="fp32", epoch_steps=50)
+    fixed_plan = trainer.Plan(4, "fp32", 50, why_precision="float32, as the settings ask")
+    assert run.plan == fixed_plan
     run.history.append({"seconds": 500.0, "validation_seconds": 1.0})
-    run.replan()  # a fixed run ignores the clock
-    assert run.plan == trainer.Plan(epochs=4, precision="fp32", epoch_steps=50)
-    assert capsys.readouterr().out == ""
+    run.plan = trainer.replanned(run.plan, run.history, 1)  # a fixed run ignores the clock
+    assert run.plan == fixed_plan
+    assert capsys.readouterr().out == "precision: fp32 (float32, as the settings ask)\n"
 
 
 def test_a_planned_run_on_several_processes_is_refused(tmp_path):
@@ -146,7 +150,7 @@ def test_the_plans_steps_count_every_ranks_steps():
     rank's plan counts W steps for each of its own."""
     fixed = dataclasses.replace(PLANNED, train_minutes=None, accum_iter=2, epochs=3)
     run = trainer.Run(fixed, "unused", trainer.Plan(3, "fp32"), rank=1, world_size=2)
-    run.unfinished([SimpleNamespace(ntokens=10)] * 5)  # this rank's share: 3 steps
+    run.start_epoch([SimpleNamespace(ntokens=10)] * 5)  # this rank's share: 3 steps
     assert run.plan.epoch_steps == 6 and run.planned_steps() == 18
 
 
@@ -156,7 +160,7 @@ def test_the_plans_steps_count_every_ranks_steps():
 def run_after(epochs_done: int, epoch_seconds: float, settings=PLANNED) -> trainer.Run:
     """A run planned to 6 epochs of 10 steps and 10 s, after `epochs_done` epochs that took
     `epoch_seconds` each, 1 s of it validation."""
-    plan = trainer.Plan(6, "fp32", 10, train_minutes=1.0, epoch_seconds=10.0, made="then")
+    plan = trainer.Plan(6, "fp32", 10, train_minutes=1.0, epoch_seconds=10.0, timed=True)
     run = trainer.Run(settings, "unused", plan)
     run.history = [{"seconds": epoch_seconds - 1.0, "validation_seconds": 1.0}] * epochs_done
     return run
@@ -174,7 +178,7 @@ def run_after(epochs_done: int, epoch_seconds: float, settings=PLANNED) -> train
 )
 def test_a_replan_fits_the_epochs_left_to_the_minutes_left(capsys, epoch_seconds, epochs):
     run = run_after(2, epoch_seconds)
-    run.replan()
+    run.plan = trainer.replanned(run.plan, run.history, run.settings.average_last)
     assert run.plan.epochs == epochs and run.plan.steps == 10 * epochs
     assert run.plan.epoch_seconds == epoch_seconds  # measured, validation included
     out = capsys.readouterr().out
@@ -192,13 +196,13 @@ def test_a_replan_keeps_time_to_score_the_averaged_model():
     """A run that averages its last epochs validates once more at its end."""
     averaging = dataclasses.replace(PLANNED, average_last=2)
     run = run_after(2, 10.0, averaging)  # 20 s spent, 1 s kept: 39 s fit 3 more, not 4
-    run.replan()
+    run.plan = trainer.replanned(run.plan, run.history, run.settings.average_last)
     assert run.plan.epochs == 5
 
 
 def test_a_run_at_its_planned_end_is_not_extended():
     run = run_after(6, 1.0)  # fast epochs: 54 s left, but the run has ended
-    run.replan()
+    run.plan = trainer.replanned(run.plan, run.history, run.settings.average_last)
     assert run.plan.epochs == 6 and run.plan.replans == ()
 
 
@@ -215,7 +219,7 @@ def test_a_replan_moves_the_schedules_end_without_replacing_it():
         schedule.step()
     rate_at, sizes = schedule.lr_lambdas[0], {"d_model": 16, "warmup": 4}
     assert rate_at(20) == at.linear_rate(21, total=60, **sizes)  # 6 epochs: 60 steps
-    run.replan()  # 4 epochs now
+    run.plan = trainer.replanned(run.plan, run.history, 1)  # 4 epochs now
     assert schedule.lr_lambdas[0] is rate_at
     assert rate_at(20) == at.linear_rate(21, total=40, **sizes) > 0
     assert rate_at(39) > 0 and rate_at(40) == 0.0  # the last planned step learns; after, none
@@ -257,7 +261,7 @@ def test_a_planned_run_plans_replans_and_ends_its_rate_at_zero(
     10 s and validates in 10 s: its first steps plan 4 epochs in 45 s (training only),
     the first epoch's 20 s re-plan the run to 2, and the rate reaches zero at the last
     step of the second. A run started again finds the plan it ended with."""
-    settings = dataclasses.replace(quick_settings(), train_minutes=0.75, epochs=10)
+    settings = dataclasses.replace(quick_settings(), train_minutes=0.75, epochs=None)
     en = quick_data.vocabs["en"]
     batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU)
     epoch_steps = len(batches) // settings.accum_iter
@@ -272,7 +276,7 @@ def test_a_planned_run_plans_replans_and_ends_its_rate_at_zero(
     assert "plan: epochs take 10 s here, so 4 epochs in all" in out
     assert "re-plan (was 4 epochs): epochs take 20 s here, so 2 epochs in all" in out
     plan = history[-1]["plan"]
-    assert plan["epochs"] == len(history) == 2 and plan["made"]
+    assert plan["epochs"] == len(history) == 2 and plan["made"] and plan["timed"]
     assert plan["steps"] == 2 * epoch_steps and plan["epoch_steps"] == epoch_steps
     (change,) = plan["replans"]
     assert change["after_epoch"] == 0 and (change["was"], change["epochs"]) == (4, 2)
@@ -288,3 +292,27 @@ def test_a_planned_run_plans_replans_and_ends_its_rate_at_zero(
         k: v for k, v in plan.items() if k not in ("steps", "warmup")
     }
     assert next(again.epochs(), None) is None
+
+
+# --- epochs or train_minutes: exactly one decides -----------------------------------------
+
+
+def test_a_copy_of_the_cpu_preset_that_sets_epochs_stops_with_the_fix(tmp_path, capsys):
+    """The cpu preset trains to the clock; a copy that also sets epochs would be ignored
+    in silence, so it stops at once, in one line that names the fix. The fix trains
+    exactly the epochs asked for, with nothing timed."""
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(at.CPU, epochs=3)
+    message = str(error.value)
+    assert "\n" not in message and "epochs=3 and train_minutes=16 both set" in message
+    assert "dataclasses.replace(settings, epochs=3, train_minutes=None)" in message
+    fixed = dataclasses.replace(at.CPU, epochs=3, train_minutes=None, precision="fp32")
+    run = new_run(fixed, tmp_path)
+    assert run.plan.epochs == 3 and run.plan.train_minutes is None
+    assert "planning" not in capsys.readouterr().out
+    assert run.planned_steps() == 0  # known once the first epoch counts its steps
+
+
+def test_settings_that_set_neither_cannot_train(tmp_path):
+    with pytest.raises(ValueError, match="set exactly one of epochs and train_minutes"):
+        new_run(at.Settings(name="neither"), tmp_path)

@@ -1,6 +1,7 @@
 """Published numbers come from records: results/README.md and README.md match results/."""
 
 import json
+import re
 import shutil
 import sys
 
@@ -228,3 +229,23 @@ def test_a_replanned_run_is_summarised_with_its_replans():
     assert "fitted 8 epochs into 16 minutes; after epoch 1 (epochs of 97 s) it re-planned 9" in text
     assert "(2,817 steps, 200 of them warming up)" in text
     assert records.planned(reference | {"plan": plan}) == "8 → 9"
+
+
+def test_a_records_words_end_with_one_full_stop():
+    assert records.sentence("no other job shared the cores.") == "no other job shared the cores."
+    assert records.sentence("copied by hand") == "copied by hand."
+    text = records.DOCUMENT.read_text(encoding="utf-8")
+    assert not re.search(r"[^.]\.\.(\s|$)", text)  # no sentence ends twice (paths aside)
+
+
+def test_a_benchmark_that_skipped_decoding_says_so():
+    """Its decoding figures are null: the document says why, and whose times the decoding
+    table holds, so that no one reads them as the benchmark's."""
+    benches = [r for r in records.load_records() if r["kind"] == "bench"]
+    skipped = [r for r in benches if (r["bench"].get("decoding") or {}).get("skipped")]
+    assert skipped, "the committed benchmarks skipped decoding"
+    text = records.bench_section(skipped)
+    assert text.count("It measured no decoding (no trained model in ") == len(skipped)
+    assert "the decoding times below come from the `make run` records" in text
+    decoded = skipped[0] | {"bench": skipped[0]["bench"] | {"decoding": {"sentences": 1000}}}
+    assert "It measured no decoding" not in records.bench_section([decoded])

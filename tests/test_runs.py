@@ -1,30 +1,27 @@
-"""One folder per run: named by everything that shapes the trained model, with a manifest
-that says what made it; an edit made as a student makes it reaches training; a finished
-run loads instead of training again; the record of a run."""
+"""One folder per run: named by what training reaches (the settings that shape training,
+the data, torch's version, and the code that `train` calls), with a manifest that says what
+made it; an edit made as a student makes it reaches training, and an edit off that path
+keeps the trained model; a finished run loads instead of training again; the record."""
 
+import ast
 import dataclasses
+import inspect
 import json
 import linecache
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
-from conftest import CPU, ROOT, quick_settings, train_as_the_notebook
+from conftest import CPU, ROOT, quick_settings, same_weights, train_as_the_notebook
 
 import annotated_transformer as at
+import plumbing
 import trainer
 from plumbing import CheckpointError, read_checkpoint
 
 SETTINGS = quick_settings()
 SOURCE = (ROOT / "annotated_transformer.py").read_text(encoding="utf-8")
-
-
-def weights(model) -> dict:
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
-
-
-def same_weights(a, b) -> bool:
-    a, b = weights(a), weights(b)
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def run_cell(source: str, namespace: dict, filename: str, monkeypatch) -> dict:
@@ -59,6 +56,7 @@ def attention(*, query, key, value, mask=None, dropout=None):
 """
 
 
+@pytest.mark.slow
 def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkeypatch):
     model, _, folder = train_as_the_notebook(
         SETTINGS, quick_data, tmp_path, lesson_copy(monkeypatch)
@@ -71,10 +69,12 @@ def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkey
     assert calls["training"] > 0 and calls["other"] > 0  # training and validation used it
     assert edited_folder != folder and not same_weights(model, edited_model)
     manifest = json.loads((edited_folder / "manifest.json").read_text())
-    assert set(manifest) == {"preset", "settings", "data", "code", "trainer"}
+    assert set(manifest) == {"preset", "settings", "data", "code", "torch", "python"}
     assert "attention" in manifest["code"] and "run_epoch" in manifest["code"]
+    assert "trainer.start" in manifest["code"] and "trainer.save_checkpoint" in manifest["code"]
 
 
+@pytest.mark.slow
 def test_an_edit_says_what_changed_and_trains_beside_the_old_run(
     quick_data, tmp_path, monkeypatch, capsys
 ):
@@ -87,26 +87,100 @@ def test_an_edit_says_what_changed_and_trains_beside_the_old_run(
     assert len(list((tmp_path / "checkpoints").glob("*/final.pt"))) == 2  # the old one kept
 
 
+DDP = ("train", "DDPProcesses")  # what DDP's workers train with (tools/train_ddp.py)
+
+
+@pytest.mark.parametrize(
+    "old, new, roots",
+    [
+        # Part 10: shares the batches out in another order
+        ("    return divisible_batches(batches, world_size)[rank::world_size]\n",
+         "    return list(reversed(divisible_batches(batches, world_size)))[rank::world_size]\n",
+         DDP),
+        # Part 10's epoch: its loop, one line
+        ("    device = batches[0].src.device\n", "    device = batches[-1].src.device\n", DDP),
+        # the label smoothing that training uses
+        ("class FastLabelSmoothing(LabelSmoothing):",
+         "class FastLabelSmoothing(LabelSmoothing, object):", ("train",)),
+        # validation's greedy decoding, decorated with @torch.no_grad()
+        ("        next_word = next_word.masked_fill(finished, ids.pad)\n",
+         "        next_word = next_word.masked_fill(finished.clone(), ids.pad)\n", ("train",)),
+    ],
+    ids=["shard_batches", "ddp_epoch", "FastLabelSmoothing", "greedy_decode"],
+)  # fmt: skip
+def test_an_edited_cell_on_the_training_path_names_a_new_folder(
+    quick_data, tmp_path, monkeypatch, old, new, roots
+):
+    unedited = trainer.run_folder(
+        SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path, roots=roots
+    )
+    namespace = edited(monkeypatch, old, new)
+    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path, roots=roots) != unedited
+
+
 @pytest.mark.parametrize(
     "old, new",
     [
-        # data preparation: one line of encode_pairs written another way
-        ("        pairs.append((src, tgt))\n", "        pairs += [(src, tgt)]\n"),
-        # Part 4: shares the batches out in another order
-        ("    return divisible_batches(batches, world_size)[rank::world_size]\n",
-         "    return list(reversed(divisible_batches(batches, world_size)))[rank::world_size]\n"),
-        # Part 4's epoch: its loop, one line
-        ("    device = batches[0].src.device\n", "    device = batches[-1].src.device\n"),
-        # the label smoothing that training uses
-        ("class FastLabelSmoothing(LabelSmoothing):",
-         "class FastLabelSmoothing(LabelSmoothing, object):"),
+        # Part 8's sentence, which the lesson invites a student to change
+        ('ATTENTION_SENTENCE = "', 'ATTENTION_SENTENCE = "Zwei Hunde spielen. '),
+        # beam search, which training never calls
+        ('        scores = candidates["scores"]\n',
+         '        scores = candidates["scores"].clone()\n'),
+        # a docstring on the training path
+        ('    """Train on the batches once; return the mean loss per real target '
+         'token."""',
+         '    """Train on the batches once, as Part 3 showed."""'),
     ],
-    ids=["encode_pairs", "shard_batches", "ddp_epoch", "FastLabelSmoothing"],
+    ids=["ATTENTION_SENTENCE", "beam_search", "docstring"],
 )  # fmt: skip
-def test_an_edited_cell_of_any_part_names_a_new_folder(quick_data, tmp_path, monkeypatch, old, new):
+def test_an_edit_off_the_training_path_keeps_the_folder(
+    quick_data, tmp_path, monkeypatch, old, new
+):
     unedited = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
-    changed = trainer.run_folder(SETTINGS, quick_data, edited(monkeypatch, old, new), tmp_path)
-    assert changed != unedited
+    namespace = edited(monkeypatch, old, new)
+    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) == unedited
+
+
+def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
+    quick_data, tmp_path, monkeypatch
+):
+    """evaluate, which the loop calls after each epoch, is wrapped by @torch.no_grad(): the
+    key reads the function inside, and follows the names it uses."""
+    source = inspect.getsource(at.evaluate)
+    call = "batch_loss(model, criterion, batch).item()"
+    assert source.count(call) == 1
+    cell = "def loss_of(model, criterion, batch):\n    return batch_loss(model, criterion, batch)\n"
+    cell += "\n\n" + source.replace(call, "loss_of(model, criterion, batch).item()")
+    namespace = run_cell(cell, lesson_copy(monkeypatch), "cell.py", monkeypatch)
+    folder = trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path)
+    assert "loss_of" in json.loads((folder / "manifest.json").read_text())["code"]
+    edited_cell = cell.replace("return batch_loss(", "return 1.0 * batch_loss(")
+    namespace = run_cell(edited_cell, lesson_copy(monkeypatch), "cell2.py", monkeypatch)
+    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) != folder
+
+
+def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
+    quick_data, tmp_path, monkeypatch
+):
+    """trainer.Run sums the epoch's loss with plumbing.sum_over_ranks: its code counts."""
+    unedited = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    path = inspect.getsourcefile(plumbing)
+    text = (ROOT / "plumbing.py").read_text(encoding="utf-8")
+    line = "    torch.distributed.all_reduce(total)\n"
+    assert text.count(line) == 1
+    edited_text = text.replace(line, "    torch.distributed.all_reduce(total, async_op=False)\n")
+    lines = edited_text.splitlines(keepends=True)  # as many lines: the others stay in place
+    monkeypatch.setitem(linecache.cache, path, (len(edited_text), None, lines, path))
+    assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) != unedited
+
+
+@pytest.mark.slow
+def test_retrain_moves_the_old_run_aside_and_trains_afresh(quick_data, tmp_path, capsys):
+    _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
+    again = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path, retrain=True)
+    assert again == folder and not (folder / "final.pt").exists()
+    (kept,) = (tmp_path / "checkpoints" / "replaced").iterdir()
+    assert (kept / "final.pt").is_file() and "moved the earlier run to" in capsys.readouterr().out
 
 
 def test_data_that_changed_names_a_new_folder(quick_data, tmp_path):
@@ -124,8 +198,8 @@ def test_a_changed_comment_keeps_the_folder(quick_data, tmp_path, monkeypatch):
     assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) == unedited
 
 
-def test_a_definition_without_source_is_an_error_not_a_blank(quick_data, tmp_path):
-    namespace = dict(vars(at))
+def test_a_definition_without_source_is_an_error_not_a_blank(quick_data, tmp_path, monkeypatch):
+    namespace = lesson_copy(monkeypatch)
     exec("def attention(**kwargs): pass", namespace)  # no file, no linecache entry
     with pytest.raises(CheckpointError, match="cannot read the code of attention"):
         trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path)
@@ -149,6 +223,7 @@ def test_a_folder_is_named_by_its_preset_and_the_settings_that_shape_training(qu
     assert len(others) == 4 and folder not in others
 
 
+@pytest.mark.slow
 def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
     quick_data, tmp_path, capsys
 ):
@@ -173,6 +248,7 @@ def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
     assert "is missing" in str(error.value) and "damaged" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp_path):
     model, history, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     loaded, loaded_history, _ = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
@@ -185,6 +261,7 @@ def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp
         assert record["parameters"] == at.count_parameters(m)
 
 
+@pytest.mark.slow
 def test_an_epoch_on_a_cpu_reports_no_gpu(quick_data, tmp_path, capsys):
     train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     out = capsys.readouterr().out
@@ -195,6 +272,87 @@ def test_an_epoch_on_a_cpu_reports_no_gpu(quick_data, tmp_path, capsys):
 def test_an_edit_that_ddp_workers_cannot_see_is_named(monkeypatch):
     """DDP's workers import the .py twin: Part 10's cell names the notebook's edits they
     will not train with, instead of looking for their run in the wrong folder."""
-    assert trainer.not_in_twin(lesson_copy(monkeypatch)) == []
+    from tools.train_ddp import not_in_twin
+
+    assert not_in_twin(lesson_copy(monkeypatch)) == []
     namespace = edited(monkeypatch, "    d_k = query.size(-1)\n", "    d_k = 2 * query.size(-1)\n")
-    assert trainer.not_in_twin(namespace) == ["attention"]
+    assert not_in_twin(namespace) == ["attention"]
+
+
+# --- the same key on every supported Python -----------------------------------------------
+
+SAME_ON_EVERY_PYTHON = """
+import ast, hashlib, json, sys
+source = open(sys.argv[1], encoding="utf-8").read()
+exec(compile(source, "canonical", "exec"))  # canonical(), as plumbing.py defines it
+out = {}
+for name in sys.argv[2:]:
+    text = open(name, encoding="utf-8").read()
+    lines = text.splitlines(keepends=True)
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            tree = ast.parse("".join(lines[first - 1 : node.end_lineno]))
+            key = hashlib.sha256(canonical(tree).encode()).hexdigest()[:12]
+            out[name.rsplit("/", 1)[-1] + ":" + node.name] = key
+print(json.dumps(out))
+"""
+
+
+def other_pythons() -> list[str]:
+    """Interpreters of Python 3.12 and 3.13 on this machine (pyenv's, or on the PATH)."""
+    import glob
+    import shutil
+
+    found = [shutil.which(f"python3.{minor}") for minor in (12, 13)]
+    found += glob.glob(str(Path.home() / ".pyenv/versions/3.1[23]*/bin/python3.1[23]"))
+    working = []
+    for python in filter(None, found):
+        done = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode == 0 and done.stdout not in {w[1] for w in working}:
+            working.append((python, done.stdout))
+    return [python for python, _ in working]
+
+
+@pytest.mark.slow
+def test_the_code_reads_the_same_on_python_3_11_3_12_and_3_13(tmp_path):
+    """ast.dump writes differently on each; `canonical` must not, or one checkout would
+    name different folders on different Pythons. Every definition of the lesson, the
+    trainer and plumbing, read by this Python and by each other one installed here."""
+    pythons = other_pythons()
+    if not pythons:
+        pytest.skip("no Python 3.12 or 3.13 here to compare with")
+    tree = ast.parse((ROOT / "plumbing.py").read_text(encoding="utf-8"))
+    (node,) = [n for n in tree.body if getattr(n, "name", "") == "canonical"]
+    (tmp_path / "canonical.py").write_text("import ast\n\n" + ast.unparse(node))
+    files = [str(ROOT / f) for f in ("annotated_transformer.py", "trainer.py", "plumbing.py")]
+    script = [SAME_ON_EVERY_PYTHON, str(tmp_path / "canonical.py"), *files]
+    runs = {}
+    for python in [sys.executable, *pythons]:
+        done = subprocess.run([python, "-c", *script], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        runs[python] = json.loads(done.stdout)
+    mine = runs.pop(sys.executable)
+    assert len(mine) > 100
+    for python, theirs in runs.items():
+        assert theirs == mine, f"{python} reads {sorted(k for k in mine if theirs[k] != mine[k])}"
+
+
+@pytest.mark.parametrize("other", ["wider", "missing keys"])
+def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, tmp_path, other):
+    """A final.pt of another model size (or with keys missing), copied into a run's
+    folder, stops with one line naming the file and what to do; the file stays."""
+    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    wider = dataclasses.replace(SETTINGS, d_model=2 * SETTINGS.d_model)
+    weights = at.model_for(wider if other == "wider" else SETTINGS, quick_data.vocabs).state_dict()
+    if other == "missing keys":
+        weights = {k: v for k, v in weights.items() if "generator" not in k}
+    plumbing.save_checkpoint(folder / "final.pt", model=weights, history=[])
+    before = (folder / "final.pt").read_bytes()
+    with pytest.raises(CheckpointError) as error:
+        trainer.load_final(folder, at.model_for(SETTINGS, quick_data.vocabs))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{folder / 'final.pt'} does not fit")
+    assert "retrain=True" in message
+    assert (folder / "final.pt").read_bytes() == before

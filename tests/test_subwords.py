@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import subword_nmt.learn_bpe
 import torch
-from conftest import MIRROR, prepared_data, quick_settings
+from conftest import multi30k_folder, prepared_data, quick_settings
 
 import annotated_transformer as at
 
@@ -24,9 +24,10 @@ def data(tmp_path, monkeypatch):
 
 def training_word_counts(pairs: int) -> dict[str, int]:
     """Word counts of the first training pairs, both languages, as learned_merges counts."""
-    if not MIRROR.is_dir():
-        pytest.skip(f"no Multi30k mirror at {MIRROR}")
-    text = at.load_pairs("train", MIRROR)[:pairs]
+    mirror, source = multi30k_folder()
+    if not mirror.is_dir():
+        pytest.skip(f"no Multi30k mirror: {source}")
+    text = at.load_pairs("train", mirror)[:pairs]
     tokens = at.tokenize_pairs(text, at.make_tokenizers())
     counts = Counter(t for lang in ("de", "en") for s in tokens[lang] for t in s)
     return {t: c for t, c in sorted(counts.items()) if t.strip() and " " not in t}

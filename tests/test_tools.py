@@ -41,7 +41,7 @@ def test_tune_types_a_change_by_its_field(text, change):
         ("epochs=", "'epochs=' is not name=value for a Settings field"),
         ("name=mine", "'name=mine' is not name=value"),  # tune names runs itself (--label)
         ("train_pairs=5e3", "'train_pairs=5e3': train_pairs takes an integer or none"),
-        ("epochs=none", "'epochs=none': epochs takes an integer"),  # not optional
+        ("N=none", "'N=none': N takes an integer"),  # not optional
         ("lr_factor=half", "'lr_factor=half': lr_factor takes a number"),
         ("pre_norm=maybe", "'pre_norm=maybe': pre_norm takes true or false"),
         ("schedule=cosine", "'schedule=cosine': schedule takes one of inverse_sqrt, linear"),

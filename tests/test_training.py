@@ -8,21 +8,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 from torch import nn
 
 import annotated_transformer as at
 
 PAD, START, END, V = 0, 1, 2, 11
-TINY = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
 
 
 @pytest.fixture(autouse=True)
 def seed():
     at.set_seed(0)
-
-
-def tiny_model(**options):
-    return at.make_model(V, V, at.ModelConfig(**{**TINY, **options}))
 
 
 def random_batch(batch_size=2, length=4):

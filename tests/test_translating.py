@@ -1,13 +1,23 @@
 """Translating and scoring: greedy decoding and beam search on scripted models, BLEU on
 words the vocabulary lacks, and the heatmaps' pass through a model."""
 
+import copy
+import dataclasses
 import itertools
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_data
+from conftest import (
+    ROOT,
+    quick_settings,
+    tiny_data,
+    tiny_model,
+    tiny_settings,
+    train_as_the_notebook,
+)  # fmt: skip
 from torch import nn
 
 import annotated_transformer as at
@@ -45,18 +55,32 @@ def test_heatmap_translation_leaves_the_model_where_it_is(monkeypatch):
     assert torch.allclose(cross.sum(-1), torch.ones(2, len(tgt_tokens) - 1))
 
 
+def test_heatmap_weights_are_the_models_own_and_nothing_stays_behind():
+    """The hooks recompute what each block computes (its output is the weights times its
+    values), and come off afterwards: the model keeps no weights and no hook."""
+    data = tiny_data()
+    at.set_seed(0)
+    model = at.model_for(at.Settings(name="t", N=2, d_model=16, d_ff=32, h=2), data.vocabs)
+    src, tgt = torch.tensor(data.val[0][0]), torch.tensor(data.val[0][1])
+    maps = at.attention_maps(model, src, tgt, data.vocabs["en"].pad_id)
+    blocks = [m for m in model.modules() if isinstance(m, at.MultiHeadAttention)]
+    assert all(not b._forward_pre_hooks for b in blocks) and len(blocks) == 2 + 2 * 2
+    assert [len(maps[kind]) for kind in maps] == [2, 2, 2]
+    layer = model.encoder.layers[0]
+    x = model.src_embed(src.unsqueeze(0))  # what the first layer's sub-layer normalises
+    x = layer.attn_sublayer.norm(x) if layer.attn_sublayer.pre_norm else x
+    block = layer.self_attn
+    v = block.split_heads(block.w_v(x))  # (1, h, S, d_k)
+    heads = (maps["encoder self-attention"][0].unsqueeze(0) @ v).transpose(1, 2).flatten(2)
+    expected = block(query=x, key=x, value=x, mask=torch.ones(1, 1, len(src), dtype=torch.bool))
+    assert torch.allclose(block.w_o(heads), expected, atol=1e-5)
+
+
 # --- greedy decoding --------------------------------------------------------------------
 
 PAD, START, END = 0, 1, 2
 IDS = at.SpecialIds(start=START, end=END, pad=PAD)
 V = 11  # the greedy tests' vocabulary: the three specials and words 3 .. 10
-
-
-def tiny_model(**options):
-    """An untrained one-layer model over V words, the same for every test."""
-    at.set_seed(0)
-    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0, **options)
-    return at.make_model(V, V, config)
 
 
 class ScriptedGenerator(nn.Module):
@@ -80,14 +104,14 @@ def source():
 def test_greedy_decode_shape_and_start_symbol():
     """An untrained model: (B, <= max_output_len) ids that start with <s>."""
     src, src_mask = source()
-    ys = at.greedy_decode(tiny_model(), src, src_mask, max_output_len=6, ids=IDS)
+    ys = at.greedy_decode(tiny_model(V, seed=0), src, src_mask, max_output_len=6, ids=IDS)
     assert ys.dtype == torch.long and ys.size(0) == 3 and 2 <= ys.size(1) <= 6
     assert (ys[:, 0] == START).all()
 
 
 def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
     """A finished sentence gets padding; decoding ends once every sentence has </s>."""
-    model = tiny_model()
+    model = tiny_model(V, seed=0)
     model.generator = ScriptedGenerator(
         [
             [5, END, 6, 7, 8, 9, 10],  # ends at step 2, then would go on talking
@@ -107,7 +131,7 @@ def test_greedy_decode_pads_after_the_end_and_stops_when_all_are_done():
 
 def test_greedy_decode_stops_after_one_step_when_end_always_wins():
     """With a generator that always prefers </s>, the output is just <s> </s>."""
-    model = tiny_model(tie_output=False)
+    model = tiny_model(V, seed=0, tie_output=False)
     with torch.no_grad():
         model.generator.proj.weight.zero_()
         model.generator.proj.bias.zero_()
@@ -119,7 +143,7 @@ def test_greedy_decode_stops_after_one_step_when_end_always_wins():
 
 def test_greedy_decode_respects_max_output_len():
     """A sentence that never ends is cut at max_output_len tokens, <s> included."""
-    model = tiny_model()
+    model = tiny_model(V, seed=0)
     model.generator = ScriptedGenerator([[5] * 10] * 3)
     src, src_mask = source()
     ys = at.greedy_decode(model, src, src_mask, max_output_len=4, ids=IDS)
@@ -224,3 +248,237 @@ def test_beam_of_one_is_greedy_on_a_scripted_model():
                 break
         greedy = [prefix]
         assert search(model, beam_size=1, alpha=0.6, max_len=10) == greedy, seed
+
+
+# --- a briefly trained model: the cache, greedy and beam search, and translate -----------
+
+DECODING_TINY = tiny_settings(dropout=0.1, beam_size=3)
+
+
+def assert_equal_or_tied(ours, theirs, model, src, src_mask, tol=1e-4) -> None:
+    """Two greedy-like decodes of `src` are equal, or each sentence where they part had a
+    near tie at the first word they disagree on.
+
+    Two decoders whose log-probabilities differ by rounding pick the same word unless the
+    best two are within that rounding of each other; which one wins then depends on the
+    CPU's kernels. A wrong decoder parts at a word that loses by far more than `tol`.
+    """
+    width = max(ours.size(1), theirs.size(1))
+    pad = torch.nn.functional.pad
+    ours, theirs = (pad(ys, (0, width - ys.size(1)), value=-1) for ys in (ours, theirs))
+    memory = model.encode(src, src_mask)
+    for row in (ours != theirs).any(dim=1).nonzero().flatten().tolist():
+        t = int((ours[row] != theirs[row]).nonzero()[0])  # the first word they disagree on
+        full = at.FullPrefix(model, memory[row : row + 1], src_mask[row : row + 1])
+        log_probs = full(ours[row : row + 1, :t])[0]  # (V,) after their common prefix
+        words = ours[row, t], theirs[row, t]
+        assert min(words) >= 0, f"sentence {row}: one decode stopped, the other did not"
+        gap = (log_probs[words[0]] - log_probs[words[1]]).abs().item()
+        assert gap < tol, f"sentence {row}, word {t}: no tie, the log-probs are {gap:.1e} apart"
+
+
+@pytest.mark.numerics
+def test_beam_of_one_equals_greedy(quick_data):
+    at.set_seed(3)
+    model = at.model_for(DECODING_TINY, quick_data.vocabs).eval()
+    en = quick_data.vocabs["en"]
+    src = at.collate(quick_data.val, list(range(10)), en.pad_id)
+    ids = en.special_ids()
+    greedy = at.greedy_decode(model, src.src, src.src_mask, 20, ids=ids)
+    beam = at.beam_search(model, src.src, src.src_mask, 20, beam_size=1, alpha=0.6, ids=ids)
+    assert greedy.size(1) > 5, "the sentences are several words long"
+    with torch.no_grad():
+        assert_equal_or_tied(beam, greedy, model, src.src, src.src_mask)
+
+
+@pytest.fixture(scope="module")
+def decoding(tmp_path_factory, multi30k):
+    """A briefly trained small model (its weights vary a little between CPUs; no test
+    relies on how well it learned)."""
+    folder = tmp_path_factory.mktemp("decoding")
+    settings = dataclasses.replace(
+        DECODING_TINY,
+        d_model=32,
+        d_ff=64,
+        train_pairs=1000,
+        batch_tokens=800,
+        accum_iter=1,
+        epochs=3,
+    )
+    settings = dataclasses.replace(settings, warmup=30, lr_factor=2.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTI30K_DIR", str(multi30k))
+        data = at.prepare_data(settings, folder)
+    model, _, _ = train_as_the_notebook(settings, data, folder)
+    return model.eval(), data
+
+
+def with_attention(model, fused: bool):
+    """A copy of the trained model whose attention runs on PyTorch's fused kernel
+    (tools/bench.py's FusedAttention) or on the lesson's own attention()."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench  # only these tests need the benchmark's FusedAttention
+
+    other = copy.deepcopy(model).eval()
+    assert any(isinstance(m, at.MultiHeadAttention) for m in other.modules())
+    return bench.with_fused_attention(other) if fused else other
+
+
+def assert_cached_equals_full(model, data):
+    """Step by step over real targets, the cached log-probs equal the full recompute's."""
+    src = at.collate(data.val, list(range(12)), data.vocabs["en"].pad_id)
+    with torch.no_grad():
+        memory = model.encode(src.src, src.src_mask)
+        full = at.FullPrefix(model, memory, src.src_mask)
+        cached = at.CachedPrefix(model, memory, src.src_mask)
+        for t in range(1, src.tgt_in.size(1) + 1):
+            prefix = src.tgt_in[:, :t]
+            assert torch.allclose(full(prefix), cached(prefix), atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "attention"])
+def test_cached_steps_equal_the_full_recompute(decoding, fused):
+    model, data = decoding
+    assert_cached_equals_full(with_attention(model, fused), data)
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_cached_steps_equal_the_full_recompute_with_pre_norm(decoding):
+    _, data = decoding
+    at.set_seed(5)
+    model = at.model_for(dataclasses.replace(DECODING_TINY, pre_norm=True), data.vocabs).eval()
+    assert_cached_equals_full(model, data)
+
+
+def lockstep(record: list):
+    """A `steps` class for beam_search that runs the cache beside the full recompute.
+
+    The search follows the full recompute's log-probabilities, so both see the same
+    prefixes and the same re-ordering of beams; each step the cache's log-probabilities
+    must agree with the full recompute's. Two searches run apart, one per decoder, would
+    also agree, except where two candidates tie within rounding: which one wins then
+    depends on the CPU's kernels. `record` gets each instance (one per beam_search).
+    """
+    cached = at.CachedPrefix  # the notebook's, also where a test puts Lockstep in its place
+
+    class Lockstep(at.FullPrefix):
+        def __init__(self, model, memory, src_mask):
+            super().__init__(model, memory, src_mask)
+            self.cached = cached(model, memory, src_mask)
+            self.steps, self.gap, self.moved = 0, 0.0, False
+            record.append(self)
+
+        def __call__(self, ys):
+            full = super().__call__(ys)
+            self.gap = max(self.gap, (full - self.cached(ys)).abs().max().item())
+            self.steps += 1
+            return full
+
+        def reorder(self, rows):
+            self.moved |= not torch.equal(rows, torch.arange(len(rows)))
+            self.cached.reorder(rows)
+
+    return Lockstep
+
+
+def ending_at(steps, ends: list[int], k: int, end_id: int):
+    """A version of the `steps` class that makes sentence b end exactly at step ends[b]:
+    </s> gets log-probability 0 (certain) then and is ruled out before. Every other word
+    keeps the model's log-probability, so the words still come from it. Rows are beams,
+    k per sentence, in sentence order, as beam_search lays them out."""
+    ends = torch.tensor(ends)
+
+    class Ending(steps):
+        def __call__(self, ys):
+            log_probs = super().__call__(ys).clone()  # (rows, V)
+            now = ends[torch.arange(ys.size(0)) // k] == ys.size(1) - 1
+            log_probs[:, end_id] = torch.where(now, 0.0, -1e9)
+            return log_probs
+
+    return Ending
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_the_cache_follows_greedy_and_beam_search(decoding):
+    """Sentences that end at different steps (constructed, not left to training): at every
+    step of greedy decoding, and of beam search with one beam and with four, the cache,
+    re-ordered as the beams move, gives the full recompute's log-probabilities."""
+    model, data = decoding
+    en = data.vocabs["en"]
+    src = at.collate(data.val, list(range(20)), en.pad_id)
+    ids = en.special_ids()
+    ends = [3 + (7 * b) % 20 for b in range(20)]  # steps 3 .. 22, all different from 30
+    for search_with, k in (("greedy", 1), ("beam", 1), ("beam", 4)):
+        record = []
+        steps = ending_at(lockstep(record), ends, k, en.eos_id)
+        if search_with == "greedy":  # translate's path for one beam
+            out = at.greedy_decode(model, src.src, src.src_mask, 30, ids=ids, scorer=steps)
+        else:
+            out = at.beam_search(
+                model, src.src, src.src_mask, 30, beam_size=k, alpha=0.6, ids=ids, scorer=steps
+            )
+        (search,) = record
+        assert search.steps == max(ends) + 1 and search.gap < 1e-4, (search_with, k, search.gap)
+        assert search.moved == (k > 1), "beam search re-orders the beams, and the cache"
+        lengths = (out != en.pad_id).sum(dim=1)  # <s>, the words and </s>
+        assert lengths.tolist() == [end + 2 for end in ends]  # ended where constructed
+        words = out[:, 1:-1]
+        assert len(set(map(tuple, words.tolist()))) > 10, "the words come from the model"
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypatch):
+    """translate's cached path, with its chunks and banned words, keeps the cache in step
+    with the full recompute (see lockstep); both paths then give the same translations."""
+    model, data = decoding
+    sources = [pair[0] for pair in data.val]
+    plain = at.translate(model, sources, data.vocabs, search=at.beam_searcher(3, 0.6), cached=False)
+    record = []
+    monkeypatch.setattr(at, "CachedPrefix", lockstep(record))
+    assert at.translate(model, sources, data.vocabs, search=at.beam_searcher(3, 0.6)) == plain
+    assert record and all(search.steps > 5 and search.gap < 1e-4 for search in record)
+
+
+@pytest.mark.slow
+def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, capsys):
+    model, data = decoding
+    limit = at.positions_of(model)
+    de = data.vocabs["de"]
+    long_source = [de.bos_id, *[de.unk_id] * (limit + 20), de.eos_id]
+    out = at.translate(
+        model, [long_source, data.val[0][0]], data.vocabs, search=at.beam_searcher(2, 0.6)
+    )
+    assert f"cut 1 of 2 sources longer than {limit} tokens" in capsys.readouterr().out
+    assert len(out) == 2 and len(out[0]) < limit
+
+
+# --- the ban on <unk>, on both decoders ---------------------------------------------------
+
+
+def test_translate_never_writes_unk_unless_allowed(quick_data):
+    at.set_seed(0)
+    model = at.model_for(quick_settings(), quick_data.vocabs).eval()
+    en = quick_data.vocabs["en"]
+    with torch.no_grad():
+        model.generator.proj.bias[en.unk_id] = 100.0  # <unk> is by far the likeliest word
+    sources = [src for src, _ in quick_data.val[:6]]
+
+    def search(beam: int):
+        return at.greedy_decode if beam == 1 else at.beam_searcher(beam, 0.6)
+
+    for beam in (1, 3):
+        allowed = at.translate(
+            model, sources, quick_data.vocabs, search=search(beam), allow_unk=True
+        )
+        assert all(tokens and set(tokens) == {"<unk>"} for tokens in allowed)
+        banned = at.translate(model, sources, quick_data.vocabs, search=search(beam))
+        assert all("<unk>" not in tokens for tokens in banned)
+        # the ban works on both decoders (their words are not compared: an untrained
+        # model's near ties may round one way on one and the other way on the other)
+        plain = at.translate(model, sources, quick_data.vocabs, search=search(beam), cached=False)
+        assert all(tokens and "<unk>" not in tokens for tokens in plain)

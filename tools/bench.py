@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import io
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,16 +147,13 @@ def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dic
 
     trainer.choose_precision on a fresh model of the preset and its first validation
     batch (the notebook's `train` calibrates on those): bf16 where the preset says
-    "auto" and bf16 pays off here, else float32. Returns the choice and what the
-    calibration printed.
+    "auto" and bf16 pays off here, else float32. Returns the choice and why.
     """
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs).to(device)
     first = at.batches_for(data.val, data.vocabs["en"].pad_id, settings, device)[0]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        precision = trainer.choose_precision(settings, device, model, first)
-    return {"precision": precision, "calibration": printed.getvalue().strip() or None}
+    precision, why = trainer.choose_precision(settings, device, model, first)
+    return {"precision": precision, "calibration": why}
 
 
 # 1. Our model against torch.nn.Transformer
@@ -242,6 +239,32 @@ def train_round(training, criterion, batches, settings: at.Settings, precision: 
     return seconds / len(batches)
 
 
+class FusedAttention(at.MultiHeadAttention):
+    """The lesson's attention block on PyTorch's fused kernel, F.scaled_dot_product_attention.
+
+    A fused kernel computes softmax(Q K^T / sqrt(d_k)) V in one routine, without writing
+    the (T_q, T_k) weights out to memory between steps. Same weights, same function: only
+    `attend` differs. Under bf16 autocast on a CPU it runs the lesson's own attention
+    instead, because the fused kernel's bf16 backward pass is slow there.
+    """
+
+    def attend(self, q, k, v, mask):
+        if torch.is_autocast_enabled("cpu"):
+            return super().attend(q, k, v, mask)
+        mask = None if mask is None else mask.unsqueeze(1)  # one mask for every head
+        p = self.dropout.p if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.w_o(out.transpose(1, 2).flatten(2))  # Concat, then W^O
+
+
+def with_fused_attention(model: nn.Module) -> nn.Module:
+    """`model` itself, every attention block now a FusedAttention: same weights, in place."""
+    for block in model.modules():
+        if isinstance(block, at.MultiHeadAttention):
+            block.__class__ = FusedAttention
+    return model
+
+
 def compiled(training):
     """The same training triple with the model wrapped by torch.compile (dynamic shapes)."""
     model, optimizer, schedule = training
@@ -257,7 +280,7 @@ def compare_models(settings, data, device, sizes: Sizes, *, repeats, precision, 
     """
     vocabs, batches = data.vocabs, fixed_batches(data, settings, sizes.step_batches, device)
     criterion = run_loss(settings, data)
-    fused = lambda: at.model_for(settings, vocabs, fused_attention=True)  # noqa: E731
+    fused = lambda: with_fused_attention(at.model_for(settings, vocabs))  # noqa: E731
     contenders = {
         "ours": fresh_training(settings, lambda: at.model_for(settings, vocabs), device),
         "pytorch": fresh_training(settings, lambda: TorchTransformer(settings, vocabs), device),
@@ -585,8 +608,8 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty
-    greedy = {"beam_size": 1, "alpha": alpha}  # evaluate_test's two calls
-    beam = {"beam_size": settings.beam_size, "alpha": alpha}
+    greedy = {"search": at.greedy_decode}  # evaluate_test's two calls
+    beam = {"search": at.beam_searcher(settings.beam_size, alpha)}
     for cached in (True, False):  # warm-up
         at.translate(model, sources[:8], vocabs, cached=cached, **greedy)
         at.translate(model, sources[:8], vocabs, cached=cached, **beam)

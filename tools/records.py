@@ -86,6 +86,11 @@ def prose(text: str) -> str:
     return re.sub(r"(?<!`)(</?\w+>)(?!`)", r"`\1`", text)
 
 
+def sentence(text: str) -> str:
+    """A record's words as prose that ends with one full stop, however the record ends."""
+    return prose(text).rstrip().rstrip(".") + "."
+
+
 # Which run is which ---------------------------------------------------------------------
 
 
@@ -262,7 +267,7 @@ def summary_of(r: dict) -> str:
         )
     return text + (
         f"Peak memory {r['peak_memory_gb']:.2f} GB. sacreBLEU signature: "
-        f"`{r['bleu_signature']}`. Command: `{r['command']}`. Source: {prose(r['source'])}."
+        f"`{r['bleu_signature']}`. Command: `{r['command']}`. Source: {sentence(r['source'])}"
     )
 
 
@@ -374,7 +379,7 @@ def xeon_section(record: dict, heading: str) -> str:
         "",
         f"Record: {link(record)}. Machine: {prose(record['machine']['cpu'])}. Commits: "
         f"{record['commit']}. Command: `{record['command']}`. Source: "
-        f"{prose(record['source'])}.",
+        f"{sentence(record['source'])}",
         "",
         "Each row is one training run scored on the validation split: greedy, then beam "
         "search with two length penalties α. *Weights averaged*: the final model is the "
@@ -385,7 +390,8 @@ def xeon_section(record: dict, heading: str) -> str:
         f"### `<unk>` allowed or never written ({ban['run']})",
         "",
         f"{what[:1].upper()}{what[1:]}; weights: {ban['weights']}. Greedy decoding ran "
-        f"away on {ban['runaway_sentences_greedy']} of {ban['sentences']:,} sentences with `<unk>` "
+        f"away (one `<unk>` after another, up to the length cap) on "
+        f"{ban['runaway_sentences_greedy']} of {ban['sentences']:,} sentences with `<unk>` "
         "allowed.",
         "",
         table(["decoding", "val BLEU, `<unk>` allowed", "val BLEU, never written"], ban_rows),
@@ -443,7 +449,7 @@ def epyc_section(record: dict, heading: str) -> str:
         f"## {heading}",
         "",
         f"Record: {link(record)}. Machine: {prose(record['machine']['cpu'])}. Command: "
-        f"`{record['command']}`. Source: {prose(record['source'])}.",
+        f"`{record['command']}`. Source: {sentence(record['source'])}",
         "",
         "Each row is one training run scored on the validation split only. *Changed from "
         "the preset*: the settings given to `tools/tune.py`, against the `cpu` preset of the "
@@ -467,6 +473,18 @@ def epyc_section(record: dict, heading: str) -> str:
     return "\n".join(parts)
 
 
+def decoding_of(bench: dict) -> str:
+    """What a benchmark says of decoding: nothing when it decoded, else that it skipped
+    decoding and why, so that no reader takes the decoding table below for its figures."""
+    skipped = (bench.get("decoding") or {}).get("skipped")
+    if not skipped:
+        return ""
+    return (
+        f"It measured no decoding ({prose(skipped.split(': run ')[0])}): the decoding times "
+        "below come from the `make run` records. "
+    )
+
+
 def bench_section(records: list[dict]) -> str:
     """The `make bench` records, and decoding times from the `make run` records."""
     lines = ["## Benchmarks", ""]
@@ -480,8 +498,8 @@ def bench_section(records: list[dict]) -> str:
             f"built to match: {duel['pytorch_parameters']:,}), on a {m['short']}, torch "
             f"{m['torch']}, {b['precision']} (the calibration's choice: "
             f"{b['precision_calibration']}). Command: `{r['command']}`, "
-            f"{r['wall_seconds']:.0f} s. Source: {prose(r['source'])}. "
-            f"{prose(r.get('caveat', ''))}".rstrip(),
+            f"{r['wall_seconds']:.0f} s. Source: {sentence(r['source'])} "
+            f"{decoding_of(b)}{prose(r.get('caveat', ''))}".rstrip(),
             "",
             table(
                 ["figure", "ours", "the other", "ratio", "goal"],

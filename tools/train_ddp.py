@@ -1,4 +1,9 @@
-"""torchrun entry point: one DDP rank of the notebook's training (trainer.ddp_worker).
+"""Training on several processes with DDP: the notebook's `train`, one process per rank.
+
+A new process cannot see the notebook, so every rank imports its `.py` twin and runs the
+twin's `train` with Part 10's `DDPProcesses`. This module sits above the lesson and the
+trainer (trainer.py never imports the lesson). Part 10 of the notebook calls
+`train_distributed`; torchrun calls this file:
 
     AT_PRESET=gpu torchrun --standalone --nproc-per-node=8 tools/train_ddp.py
 
@@ -11,19 +16,78 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import annotated_transformer as at  # noqa: E402
+import annotated_transformer as twin  # noqa: E402
 import trainer  # noqa: E402
+from plumbing import code_reached, free_port, prepare_cpu_memory  # noqa: E402
+
+# What a DDP run trains with: the loop, and Part 10's processes that it is given.
+ROOTS = ("train", "DDPProcesses")
+
+
+def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
+    """One rank of a DDP job: join the group, train with the twin's loop, leave.
+
+    `port` None reads torchrun's environment.
+    """
+    import torch.distributed as dist
+
+    settings = twin.Settings(**settings_fields)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
+        prepare_cpu_memory()  # as the notebook's own process does
+    init = f"tcp://127.0.0.1:{port}" if port else "env://"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world_size
+    )
+    try:
+        if rank == 0:
+            data = twin.prepare_data(settings, Path(data_dir))  # rank 0 builds the caches
+        dist.barrier()
+        if rank != 0:
+            data = twin.prepare_data(settings, Path(data_dir))  # the others read them
+        folder = trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+        processes = twin.DDPProcesses(rank=rank, world_size=world_size)
+        twin.train(settings, data, folder, device=device, processes=processes)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def train_distributed(settings, data_dir: Path, world_size: int | None = None) -> Path:
+    """Train with DDP: one process per GPU, or `world_size` (default 2) CPU processes.
+
+    Returns the run's folder, named by the twin's code, which is what the workers train.
+    """
+    world_size = world_size or torch.cuda.device_count() or 2
+    args = (world_size, dataclasses.asdict(settings), str(data_dir), free_port())
+    torch.multiprocessing.spawn(ddp_worker, args=args, nprocs=world_size, join=True)
+    data = twin.prepare_data(settings, Path(data_dir))
+    return trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+
+
+def not_in_twin(namespace: dict) -> list[str]:
+    """The definitions on DDP's training path whose code in `namespace` (the notebook's)
+    differs from the twin's: the workers will not train with those edits."""
+    ours, theirs = code_reached(namespace, ROOTS), code_reached(vars(twin), ROOTS)
+    return sorted(name for name in ours if ours[name] != theirs.get(name))
 
 
 def main() -> None:
     if "RANK" not in os.environ:
         sys.exit("run this under torchrun, e.g. torchrun --nproc-per-node=2 tools/train_ddp.py")
-    settings = at.get_settings(os.environ.get("AT_PRESET"))
+    settings = twin.get_settings(os.environ.get("AT_PRESET"))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    data_dir = os.environ.get("AT_DATA_DIR", str(at.DATA_DIR))
-    trainer.ddp_worker(rank, world_size, dataclasses.asdict(settings), data_dir, None)
+    data_dir = os.environ.get("AT_DATA_DIR", str(twin.DATA_DIR))
+    ddp_worker(rank, world_size, dataclasses.asdict(settings), data_dir, None)
 
 
 if __name__ == "__main__":
