@@ -386,7 +386,7 @@ class Run:
         self.model = self.optimizer = self.schedule = self.state = None  # the loop's
         self.bar = None  # the epoch's progress bar
         self.clock = 0.0  # perf_counter at the epoch's start, as if it never stopped
-        self.timer = None  # (step, perf_counter, tokens) where a planned run starts timing
+        self.timer: dict | None = None  # where a planned run started timing its steps
         self.batches = self.batch_tokens = 0  # the epoch's batches and their target tokens
         self.next_rate = 0.0  # the rate the next optimizer step will take
 
@@ -398,11 +398,14 @@ class Run:
         """The mixed-precision context of this run's training and validation."""
         return autocast_for(next(self.model.parameters()).device, self.plan.precision)()
 
+    def untimed(self) -> bool:
+        """Whether this is a planned run that has yet to time its first steps."""
+        return self.plan.train_minutes is not None and not self.plan.timed
+
     def planned_steps(self) -> int:
         """Where the linear schedule reaches zero, read at every step: a re-plan moves it.
         Until a planned run has timed its first steps, the end is far away."""
-        untimed = self.plan.train_minutes is not None and not self.plan.timed
-        return NO_END_YET if untimed else self.plan.steps
+        return NO_END_YET if self.untimed() else self.plan.steps
 
     def resume(self, model, optimizer, schedule, state):
         """Load the last checkpoint into the loop's objects, or seed a fresh run's dropout."""
@@ -422,7 +425,7 @@ class Run:
 
     def epochs(self) -> Iterator[int]:
         """The epochs left to train; a re-plan after one may change how many."""
-        while self.epoch < self.plan.epochs or self.planned_steps() == NO_END_YET:
+        while self.epoch < self.plan.epochs or self.untimed():
             yield self.epoch
 
     def start_epoch(self, batches: list) -> list:
@@ -447,7 +450,7 @@ class Run:
         self.next_rate = self.schedule.get_last_lr()[0] if self.schedule else 0.0
         self.bar.update(self.now.done - self.bar.n)
         self.bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", refresh=False)
-        if self.planned_steps() == NO_END_YET:
+        if self.untimed():
             self.time_first_steps(self.state.step)
         every = self.settings.checkpoint_steps
         if every and self.state.step % every == 0 and self.now.done < self.batches:
@@ -456,14 +459,14 @@ class Run:
     def time_first_steps(self, step: int) -> None:
         """In a planned run's first epoch: time steps TIMED_STEPS, then plan the epochs."""
         if step == TIMED_STEPS[0] or self.timer is None:
-            self.timer = (step, time.perf_counter(), self.now.tokens)
-        timed_from, since, tokens_before = self.timer
+            self.timer = {"step": step, "clock": time.perf_counter(), "tokens": self.now.tokens}
         if step >= TIMED_STEPS[1] or self.now.done == self.batches:  # or a short epoch's end
-            if step == timed_from:  # nothing timed since the timer started: the whole epoch
-                timed_from, since, tokens_before = 1, self.clock, 0
-            seconds = max(time.perf_counter() - since, 1e-9)
-            tokens = self.now.tokens - tokens_before
-            print(f"steps {timed_from} to {step}: {tokens / seconds:,.0f} target tokens/s")
+            timer = self.timer
+            if step == timer["step"]:  # nothing timed since the timer started: the whole epoch
+                timer = {"step": 1, "clock": self.clock, "tokens": 0}
+            seconds = max(time.perf_counter() - timer["clock"], 1e-9)
+            tokens = self.now.tokens - timer["tokens"]
+            print(f"steps {timer['step']} to {step}: {tokens / seconds:,.0f} target tokens/s")
             self.plan = timed_plan(self.plan, seconds, tokens, self.batch_tokens)
 
     def end_epoch(self, *, val_loss: float, val_bleu=None, watched=None) -> None:
