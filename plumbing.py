@@ -10,7 +10,9 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 * caches are JSON and checkpoints are read with `torch.load(weights_only=True)`: neither
   can run code;
 * the random states of Python, NumPy and torch are saved and restored whole, so a
-  resumed run draws the same numbers as one never interrupted.
+  resumed run draws the same numbers as one never interrupted;
+* a run's folder is named by what training reaches (`run_folder`, `code_reached`): the
+  settings that shape it, the data, torch's version and the code that `train` calls.
 
 This module never imports the notebook; the notebook imports it.
 """
@@ -24,11 +26,14 @@ import inspect
 import io
 import json
 import os
+import platform
 import random
+import shutil
 import socket
 import sys
 import tempfile
 import textwrap
+import time
 import types
 import urllib.request
 from collections.abc import Iterator
@@ -331,6 +336,76 @@ def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
         elif name.isupper() and isinstance(value, int | float | str | bool | tuple | frozenset):
             found[label] = repr(value)  # MAX_POSITIONS, SPECIALS and the like
     return dict(sorted(found.items()))
+
+
+# --- a run's folder, named by what training reaches -------------------------------------
+
+
+# The settings that do not change what training computes.
+NOT_TRAINING = ("name", "beam_size", "length_penalty", "checkpoint_steps")
+
+
+def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
+    """What a run is made of. All but "python" name its folder: the same code computes the
+    same on every Python, while another torch may compute otherwise."""
+    vocabs = data.vocabs
+    return {
+        "preset": settings.name,
+        "settings": {
+            k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_TRAINING
+        },
+        "data": {
+            "vocabularies": fingerprint([vocabs["de"].itos, vocabs["en"].itos]),
+            "training pairs": fingerprint(data.train),
+        },
+        "code": code_reached(namespace, roots),
+        "torch": torch.__version__,
+        "python": platform.python_version(),  # recorded, not part of the name
+    }
+
+
+def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train",),
+               retrain: bool = False) -> Path:  # fmt: skip
+    """data/checkpoints/<preset>-<8 hex digits of the manifest>, with its manifest.json.
+
+    `retrain=True` moves an earlier run of the same name into checkpoints/replaced/, so
+    the next training starts afresh and nothing is lost."""
+    made_of = manifest(settings, data, namespace, roots)
+    key = fingerprint({k: v for k, v in made_of.items() if k != "python"})[:8]
+    folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{key}"
+    if retrain and folder.is_dir():
+        kept = folder.parent / "replaced" / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(folder, kept)
+        print(f"moved the earlier run to {kept}")
+    if not (folder / "manifest.json").is_file():
+        write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
+    return folder
+
+
+def what_changed(folder: Path) -> str:
+    """How this run differs from the newest other run of its preset, in a few words."""
+    mine = json.loads((folder / "manifest.json").read_text())
+    others = [
+        m for m in folder.parent.glob(f"{mine['preset']}-*/manifest.json") if m.parent != folder
+    ]
+    if not others:
+        return ""
+    theirs = json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text())
+    changes = []
+    for part, label in (("settings", "other settings"), ("code", "other code")):
+        names = sorted(
+            k
+            for k in mine[part].keys() | theirs.get(part, {}).keys()
+            if mine[part].get(k) != theirs.get(part, {}).get(k)
+        )
+        if names:
+            changes.append(f"{label} for: {', '.join(names)}")
+    if mine["data"] != theirs.get("data"):
+        changes.append("other data")
+    if mine.get("torch") != theirs.get("torch"):
+        changes.append(f"torch {mine.get('torch')} (was {theirs.get('torch')})")
+    return "; ".join(changes)
 
 
 # --- checkpoints and random states --------------------------------------------------------

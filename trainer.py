@@ -3,33 +3,28 @@
 `train`, in Part 6 of the notebook, is Part 3's loop over epochs with calls to this module
 in between. Read it top to bottom, in the order a run meets it:
 
-1. **Its folder.** `run_folder` names it by what training reaches: the settings that shape
-   training, the data, the torch version, and the code of every function and class that
-   `train` calls, followed through calls (the lesson's, and this module's and plumbing's),
-   with docstrings and comments left out. `manifest.json` in the folder says what made it.
-2. **The precision.** `choose_precision` times bf16 against float32 on a CPU.
-3. **The plan.** A frozen `Plan` holds the epochs and the optimizer steps at which the
+1. **The precision.** `choose_precision` times bf16 against float32 on a CPU.
+2. **The plan.** A frozen `Plan` holds the epochs and the optimizer steps at which the
    linear schedule reaches zero. With `train_minutes`, the run times its first steps,
    plans as many epochs as fit, and re-plans after each epoch with the epochs' real time.
-4. **The run.** `start` resumes a stopped run from its `last.pt` or plans a new one; `Run`
+3. **The run.** `start` resumes a stopped run from its `last.pt` or plans a new one; `Run`
    keeps the history, saves checkpoints and the final model. A resumed run goes on bit for
    bit on a CPU, but for later re-plans, which follow the clock.
-5. **Loading** a finished run (`load_final`), and the record of a run (`run_record`).
+4. **Loading** a finished run (`load_final`), and the record of a run (`run_record`).
 
-This module imports plumbing and nothing else of the project: never the notebook or its
-`.py` twin (a test holds the import direction). DDP's worker processes, which need the
-twin's `train`, start from tools/train_ddp.py.
+A run's folder (`run_folder`, named by what training reaches) comes from plumbing.py, like
+the files and random states. This module imports plumbing and nothing else of the project:
+never the notebook or its `.py` twin (a test holds the import direction). DDP's worker
+processes, which need the twin's `train`, start from tools/train_ddp.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import platform
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,94 +35,22 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from plumbing import (
+from plumbing import (  # noqa: F401 (run_folder: the notebook and the tools call it here)
     CheckpointError,
-    code_reached,
-    fingerprint,
     gather_from_ranks,
     gpu_report,
     peak_memory_gb,
     random_states,
     read_checkpoint,
     restore_random_states,
+    run_folder,
     save_checkpoint,
     sum_over_ranks,
-    write_atomically,
+    what_changed,
 )
 
 # ---------------------------------------------------------------------------------------
-# 1. The run's folder: named by what training reaches
-
-
-# The settings that do not change what training computes.
-NOT_TRAINING = ("name", "beam_size", "length_penalty", "checkpoint_steps")
-
-
-def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
-    """What a run is made of. All but "python" name its folder: the same code computes the
-    same on every Python, while another torch may compute otherwise."""
-    vocabs = data.vocabs
-    return {
-        "preset": settings.name,
-        "settings": {
-            k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_TRAINING
-        },
-        "data": {
-            "vocabularies": fingerprint([vocabs["de"].itos, vocabs["en"].itos]),
-            "training pairs": fingerprint(data.train),
-        },
-        "code": code_reached(namespace, roots),
-        "torch": torch.__version__,
-        "python": platform.python_version(),  # recorded, not part of the name
-    }
-
-
-def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train",),
-               retrain: bool = False) -> Path:  # fmt: skip
-    """data/checkpoints/<preset>-<8 hex digits of the manifest>, with its manifest.json.
-
-    `retrain=True` moves an earlier run of the same name into checkpoints/replaced/, so
-    the next training starts afresh and nothing is lost."""
-    made_of = manifest(settings, data, namespace, roots)
-    key = fingerprint({k: v for k, v in made_of.items() if k != "python"})[:8]
-    folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{key}"
-    if retrain and folder.is_dir():
-        kept = folder.parent / "replaced" / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(folder, kept)
-        print(f"moved the earlier run to {kept}")
-    if not (folder / "manifest.json").is_file():
-        write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
-    return folder
-
-
-def what_changed(folder: Path) -> str:
-    """How this run differs from the newest other run of its preset, in a few words."""
-    mine = json.loads((folder / "manifest.json").read_text())
-    others = [
-        m for m in folder.parent.glob(f"{mine['preset']}-*/manifest.json") if m.parent != folder
-    ]
-    if not others:
-        return ""
-    theirs = json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text())
-    changes = []
-    for part, label in (("settings", "other settings"), ("code", "other code")):
-        names = sorted(
-            k
-            for k in mine[part].keys() | theirs.get(part, {}).keys()
-            if mine[part].get(k) != theirs.get(part, {}).get(k)
-        )
-        if names:
-            changes.append(f"{label} for: {', '.join(names)}")
-    if mine["data"] != theirs.get("data"):
-        changes.append("other data")
-    if mine.get("torch") != theirs.get("torch"):
-        changes.append(f"torch {mine.get('torch')} (was {theirs.get('torch')})")
-    return "; ".join(changes)
-
-
-# ---------------------------------------------------------------------------------------
-# 2. Precision
+# 1. Precision
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -176,7 +99,7 @@ def choose_precision(settings, device, model: nn.Module, batch, world_size: int 
 
 
 # ---------------------------------------------------------------------------------------
-# 3. The plan
+# 2. The plan
 
 TIMED_STEPS = (3, 23)  # a planned run times optimizer steps 3 to 23 (the first two warm up)
 NO_END_YET = 10**9  # the schedule's end while a planned run has yet to time its steps
@@ -265,7 +188,7 @@ def decisions(history: list[dict], schedule: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# 4. The run: checkpoints and exact resume
+# 3. The run: checkpoints and exact resume
 
 
 def seed_of_rank(seed: int, rank: int) -> int:
@@ -324,6 +247,33 @@ def load_weights(model: nn.Module, weights: dict, path: Path) -> None:
         ) from None
 
 
+def save_last(run: Run, ranks: list) -> None:
+    """Write the run's last.pt: everything resuming needs, every rank's position."""
+    save_checkpoint(
+        run.folder / "last.pt", model=run.model.state_dict(),
+        optimizer=run.optimizer.state_dict(), schedule=run.schedule.state_dict(),
+        state=dataclasses.asdict(run.state), history=run.history,
+        plan=dataclasses.asdict(run.plan), ranks=ranks,
+    )  # fmt: skip
+
+
+def with_plan(history: list[dict], plan: Plan, warmup: int, averaged: dict | None) -> list:
+    """The history whose last record also holds the plan, and the averaged model if any."""
+    last = history[-1] | {"plan": dataclasses.asdict(plan) | {"steps": plan.steps}}
+    last["plan"]["warmup"] = warmup
+    return [*history[:-1], last | ({"averaged": averaged} if averaged else {})]
+
+
+def load_last(checkpoint: dict, run: Run, path: Path) -> None:
+    """Put a last.pt back into the loop's objects, and this rank's random states."""
+    load_weights(run.model, checkpoint["model"], path)
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
+    run.schedule.load_state_dict(checkpoint["schedule"])
+    for name, value in checkpoint["state"].items():
+        setattr(run.state, name, value)
+    restore_random_states(checkpoint["ranks"][run.rank]["random"])
+
+
 def keep_for_average(folder: Path, model: nn.Module, epoch: int, average_last: int) -> None:
     """Keep the last `average_last` epochs' weights (a rolling set of files)."""
     save_checkpoint(folder / f"epoch-{epoch}.pt", model=model.state_dict())
@@ -350,6 +300,15 @@ def progress_bar(batches: int, epoch: int, done: int, *, off: bool) -> tqdm:
                 disable=off, initial=done)  # fmt: skip
 
 
+def epoch_record(run: Run, loss: float, tokens: int, validation_seconds: float) -> dict:
+    """The history's record of the epoch that `run` has just trained, but its scores."""
+    return {
+        "epoch": run.epoch, "train_loss": loss / max(tokens, 1), "seconds": run.now.seconds,
+        "validation_seconds": validation_seconds, "tokens": int(tokens),
+        "precision": run.plan.precision, "rates": run.now.rates,
+    }  # fmt: skip
+
+
 def epoch_line(record: dict) -> str:
     """The one line printed after each epoch."""
     line = f"epoch {record['epoch']}: train loss {record['train_loss']:.3f}, "
@@ -370,11 +329,8 @@ class Position:
 
 
 class Run:
-    """One training run, as the loop sees it: its plan, its history, where it stands.
-
-    The loop calls `resume` once; for each epoch of `epochs()`, `start_epoch`, then
-    `step_done` after each optimizer step and `end_epoch`; `finish` last.
-    """
+    """One training run, as the loop sees it: its plan, its history, where it stands. The
+    loop calls `resume`; per epoch, `start_epoch`, `step_done` and `end_epoch`; `finish`."""
 
     def __init__(self, settings, folder, plan, rank=0, world_size=1, checkpoint=None):
         self.settings, self.folder, self.plan = settings, Path(folder), plan
@@ -403,8 +359,7 @@ class Run:
         return self.plan.train_minutes is not None and not self.plan.timed
 
     def planned_steps(self) -> int:
-        """Where the linear schedule reaches zero, read at every step: a re-plan moves it.
-        Until a planned run has timed its first steps, the end is far away."""
+        """Where the linear rate reaches zero (read at every step; far away until timed)."""
         return NO_END_YET if self.untimed() else self.plan.steps
 
     def resume(self, model, optimizer, schedule, state):
@@ -413,12 +368,7 @@ class Run:
         if self.checkpoint is None:
             seed_dropout(self.settings.seed, self.rank)  # the ranks' dropout differs
             return state
-        load_weights(model, self.checkpoint["model"], self.folder / "last.pt")
-        optimizer.load_state_dict(self.checkpoint["optimizer"])
-        schedule.load_state_dict(self.checkpoint["schedule"])
-        for name, value in self.checkpoint["state"].items():
-            setattr(state, name, value)
-        restore_random_states(self.checkpoint["ranks"][self.rank]["random"])
+        load_last(self.checkpoint, self, self.folder / "last.pt")
         print(f"resumed at epoch {self.epoch}, batch {self.now.done}, step {state.step}")
         self.checkpoint = None  # read once
         return state
@@ -429,8 +379,7 @@ class Run:
             yield self.epoch
 
     def start_epoch(self, batches: list) -> list:
-        """Start the clock and the bar; return the batches not yet trained on (all of them,
-        unless resuming mid-epoch). The first epoch also counts the run's steps."""
+        """Start the clock and the bar; return the batches a resumed epoch has yet to train."""
         if not self.plan.epoch_steps:
             steps = math.ceil(len(batches) / self.settings.accum_iter) * self.world_size
             self.plan = dataclasses.replace(self.plan, epoch_steps=steps)
@@ -461,9 +410,8 @@ class Run:
         if step == TIMED_STEPS[0] or self.timer is None:
             self.timer = {"step": step, "clock": time.perf_counter(), "tokens": self.now.tokens}
         if step >= TIMED_STEPS[1] or self.now.done == self.batches:  # or a short epoch's end
-            timer = self.timer
-            if step == timer["step"]:  # nothing timed since the timer started: the whole epoch
-                timer = {"step": 1, "clock": self.clock, "tokens": 0}
+            whole = {"step": 1, "clock": self.clock, "tokens": 0}  # if nothing was timed yet
+            timer = whole if step == self.timer["step"] else self.timer
             seconds = max(time.perf_counter() - timer["clock"], 1e-9)
             tokens = self.now.tokens - timer["tokens"]
             print(f"steps {timer['step']} to {step}: {tokens / seconds:,.0f} target tokens/s")
@@ -475,12 +423,8 @@ class Run:
         device = next(self.model.parameters()).device
         loss, tokens = sum_over_ranks([self.now.loss, self.now.tokens], device)
         validation = time.perf_counter() - self.clock - self.now.seconds
-        self.history.append({
-            "epoch": self.epoch, "train_loss": loss / max(tokens, 1), "val_loss": val_loss,
-            "val_bleu": val_bleu, "watched": watched, "seconds": self.now.seconds,
-            "validation_seconds": validation, "tokens": int(tokens),
-            "precision": self.plan.precision, "rates": self.now.rates,
-        })  # fmt: skip
+        scores = {"val_loss": val_loss, "val_bleu": val_bleu, "watched": watched}
+        self.history.append(epoch_record(self, loss, tokens, validation) | scores)
         if self.rank == 0:
             print(epoch_line(self.history[-1]))
         if self.rank == 0 and torch.cuda.is_available():
@@ -493,15 +437,11 @@ class Run:
 
     def save(self) -> None:
         """Write last.pt: everything resuming needs. Every rank calls it; rank 0 writes."""
-        own = {"position": dataclasses.asdict(self.now), "random": random_states()}
-        ranks = gather_from_ranks(own)
+        ranks = gather_from_ranks(
+            {"position": dataclasses.asdict(self.now), "random": random_states()}
+        )
         if self.rank == 0:
-            save_checkpoint(
-                self.folder / "last.pt", model=self.model.state_dict(),
-                optimizer=self.optimizer.state_dict(), schedule=self.schedule.state_dict(),
-                state=dataclasses.asdict(self.state), history=self.history,
-                plan=dataclasses.asdict(self.plan), ranks=ranks,
-            )  # fmt: skip
+            save_last(self, ranks)
 
     def averaged_weights(self) -> dict | None:
         """{"epochs": the last epochs, "weights": their mean} (§6.1), or None."""
@@ -514,11 +454,9 @@ class Run:
         }
 
     def finish(self, averaged: dict | None = None) -> list[dict]:
-        """Write final.pt (the model, and the history with the plan and `averaged`, the
-        averaged model's epochs and scores); return the history."""
-        plan = dataclasses.asdict(self.plan) | {"steps": self.plan.steps}
-        last = self.history[-1] | {"plan": plan | {"warmup": self.settings.warmup}}
-        self.history = [*self.history[:-1], last | ({"averaged": averaged} if averaged else {})]
+        """Write final.pt (the model, the history, the plan, and `averaged`: the averaged
+        model's epochs and scores, if any); return the history."""
+        self.history = with_plan(self.history, self.plan, self.settings.warmup, averaged)
         if self.rank == 0:
             final = self.folder / "final.pt"
             save_checkpoint(final, model=self.model.state_dict(), history=self.history)
@@ -526,7 +464,7 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------------
-# 5. A finished run, and its record
+# 4. A finished run, and its record
 
 
 def load_final(folder: Path, model: nn.Module) -> tuple[nn.Module, list] | None:
