@@ -2016,7 +2016,7 @@ def load_vocab(path: Path) -> Vocab:
 # ### Sub-words (§5.1)
 #
 # *Optional: no preset uses sub-words* (`bpe_merges=0` in presets.py).
-# Skim the next seven cells, BPE from scratch, but run them.
+# Skim the next nine code cells, BPE from scratch, but run them.
 #
 # A word vocabulary turns rare and new words into `<unk>`: "Quantencomputer" has no id,
 # though it is plainly "Quanten" + "computer". The paper encoded its sentences "using
@@ -2858,8 +2858,8 @@ class CachedPrefix(FullPrefix):
 # ## Part 6: training the translator
 #
 # Every piece is built. Part 3 trained the copy task with a bare loop: seed, build the
-# model, the loss, the optimizer and the schedule, then `run_epoch` and `evaluate` once
-# per epoch. The translator trains with the same loop, plus the bookkeeping that a real
+# model, the loss, the optimizer and the schedule, then `run_epoch` every epoch and
+# `evaluate` every fifth. The translator trains with the same loop, plus the bookkeeping that a real
 # run needs, kept in [trainer.py](trainer.py) and reached through one object, `run`:
 #
 # | the loop calls | what it does | changes what is learned? |
@@ -2869,8 +2869,8 @@ class CachedPrefix(FullPrefix):
 # | `run.resume` | loads the last checkpoint, or seeds dropout | no |
 # | `run.epochs()` | yields the epochs that the plan holds | yes: how many |
 # | `run.start_epoch` | skips the batches a resumed epoch has done | no |
-# | `run.step_done` | progress, checkpoints; on a budget, times the first steps | yes: the plan |
-# | `run.end_epoch` | the epoch's line and `last.pt`; on a budget, a re-plan | yes: the plan |
+# | `run.step_done` | progress, checkpoints; with `train_minutes`, times the first steps | yes |
+# | `run.end_epoch` | the epoch's line and `last.pt`; with `train_minutes`, a re-plan | yes |
 # | `run.averaged_weights` | the mean of the last epochs' weights (§6.1) | yes, if it averages |
 # | `run.finish` | saves the final model | no |
 #
@@ -2895,7 +2895,7 @@ class CachedPrefix(FullPrefix):
 # The table puts them side by side. Every field, with its reason, is in
 # [presets.py](presets.py). The cpu preset trains to the clock, so
 # `dataclasses.replace(settings, epochs=3, train_minutes=None)` makes a copy that trains
-# three epochs; a copy that sets both stops and says so. A changed `train_pairs`,
+# three epochs; a copy that sets both stops at once with a message. A changed `train_pairs`,
 # `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the data: run
 # `prepare_data` again (Part 4).
 
@@ -3013,8 +3013,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # model beside the old one; an edit off it, such as to beam search, keeps it.
 # `retrain=True` trains afresh, moving the old run aside.
 #
-# The cell prints what decides the maths: the precision (bf16 only where a batch runs
-# clearly faster in it), the epochs, and where the rate ends. With the cpu preset, it
+# The cell prints what decides the maths: the precision (on a CPU, bf16 only where a batch
+# runs clearly faster in it), the epochs, and where the rate ends. With the cpu preset, it
 # trains for about 16 minutes: read on meanwhile.
 
 # %% active="ipynb"
@@ -4002,10 +4002,10 @@ class DDPProcesses(Processes):
 
 # %% [markdown]
 # `train_distributed`, in tools/train_ddp.py, starts one process per GPU, or two CPU
-# processes talking through `gloo` on a laptop, and each runs the notebook's `train` with
-# its `DDPProcesses`. A new process cannot see this notebook, so the workers import its
-# `.py` twin: an edit you made here reaches them only after `make sync`, and the cell
-# says so.
+# processes talking through `gloo` on a laptop (the cell below asks for two), and each
+# runs the notebook's `train` with its `DDPProcesses`. A new process cannot see this
+# notebook, so the workers import its `.py` twin: an edit you made here reaches them only
+# after `make sync`, and the cell says so.
 
 # %% active="ipynb"
 # import importlib.util
