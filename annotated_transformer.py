@@ -121,6 +121,7 @@ import os
 import random
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,7 +164,7 @@ def set_seed(seed: int) -> None:
 
 # %% [markdown]
 # The next cell picks a *preset*, one record of every setting: cpu, a small model that
-# trains in 16 minutes on a laptop, or gpu, the paper's base model, for a GPU; smoke is
+# trains for 11 epochs on a laptop, or gpu, the paper's base model, for a GPU; smoke is
 # a toy for the tests. To choose, set `AT_PRESET` before Jupyter starts. Part 6 explains
 # the presets.
 
@@ -210,10 +211,10 @@ def set_seed(seed: int) -> None:
 # > of dimension $d_{\text{model}}$ ... In the embedding layers, we multiply those
 # > weights by $\sqrt{d_{\text{model}}}$."
 #
-# > Why the scaling? The paper does not say. Its reference code, tensor2tensor, drew
-# > embeddings with a standard deviation of $d_{\text{model}}^{-1/2}$, so the scaling
-# > brought them to about 1, the positional encodings' scale. Ours start from Xavier's
-# > initialisation, so smaller; exercise 1.2 measures how much.
+# Why the scaling? The paper does not say. Its reference code, tensor2tensor, drew
+# embeddings with a standard deviation of $d_{\text{model}}^{-1/2}$, so the scaling
+# brought them to about 1, the positional encodings' scale. Ours start smaller, from
+# the initialisation that `make_model` explains; exercise 1.2 measures how much.
 
 
 # %%
@@ -345,8 +346,9 @@ def attention(
 
 
 # %% [markdown]
-# A query that matches one key much better than the others puts almost all its weight
-# there.
+# A query that matches some keys much better than the rest puts almost all its weight
+# on them: keys 0 and 2 below are equal and share it, key 1 gets almost none. Masking
+# key 2 leaves all of it to key 0.
 
 # %% active="ipynb"
 # q = torch.tensor([[[10.0, 0.0]]])  # (1, T_q=1, d_k=2)
@@ -1201,7 +1203,7 @@ class FastLabelSmoothing(LabelSmoothing):
 #
 # The paper's rate was still a fifth of its peak at its last step, 100,000. A short run
 # should end small, so we add a second shape: the same warm-up and peak, then a straight
-# fall to zero at the last planned step, drawn in [What matters in a short
+# fall to zero at the run's last step, drawn in [What matters in a short
 # run](#What-matters-in-a-short-run).
 
 
@@ -1225,33 +1227,31 @@ def linear_rate(step: int, *, d_model: int, warmup: int, total: int, factor: flo
 # The optimizer is Adam with the paper's settings and a base rate of 1.0, which
 # PyTorch's `LambdaLR` multiplies by our schedule. It counts steps from 0, where the
 # formula is undefined, so we shift them by one. The linear schedule needs to know where
-# the run ends, and refuses an end within its warm-up.
+# the run ends, so it takes the run's total number of steps, and refuses an end within
+# its warm-up.
 
 
 # %%
 def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
     """Adam with the paper's betas and eps, driven by `rate` (or `linear_rate`) via LambdaLR.
 
-    `total_steps` is where the linear schedule reaches zero: a number, or a function that
-    returns it at every step (a run planned to the clock may move its end). `fused` picks
+    `total_steps` is the step where the linear schedule reaches zero. `fused` picks
     PyTorch's fused Adam kernel (on CUDA), which takes the same steps faster.
     """
+    if settings.schedule == "linear" and (total_steps is None or total_steps <= settings.warmup):
+        raise ValueError(
+            f"the linear schedule needs more steps ({total_steps}) than warm-up steps "
+            f"({settings.warmup}): lower warmup or raise epochs"
+        )
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused or None
     )
     sizes = {"d_model": settings.d_model, "warmup": settings.warmup, "factor": settings.lr_factor}
 
     def rate_at(step: int) -> float:  # LambdaLR counts from 0, the formula from 1
-        if settings.schedule != "linear":
-            return rate(step + 1, **sizes)
-        total = total_steps() if callable(total_steps) else total_steps
-        needed = step + 1 > settings.warmup or not callable(total_steps)  # a number: now
-        if needed and (total is None or total <= settings.warmup):
-            raise ValueError(
-                f"the linear schedule needs more planned steps ({total}) than warm-up "
-                f"steps ({settings.warmup}): lower warmup or raise epochs"
-            )
-        return linear_rate(step + 1, total=total, **sizes)
+        if settings.schedule == "linear":
+            return linear_rate(step + 1, total=total_steps, **sizes)
+        return rate(step + 1, **sizes)
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate_at)
 
@@ -1294,27 +1294,26 @@ def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
 # may be shorter; it is divided by its own tokens and still gets its optimizer step, so
 # no gradient is left over for the next epoch.
 #
-# > **A trap worth knowing.** The obvious recipe, "divide each micro-batch's mean loss by
-# > the number of micro-batches", averages the micro-batches' *means*. That equals the big
-# > batch's mean only when every micro-batch holds the same number of tokens, and with
-# > length bucketing they never do. Hugging Face's Trainer did this until a fix in
-# > October 2024 (transformers pull request 34191). The cells after the loop show the
-# > difference on four numbers, then check our loop against one big batch.
+# **A trap worth knowing.** The obvious recipe, "divide each micro-batch's mean loss by
+# the number of micro-batches", averages the micro-batches' *means*. That equals the big
+# batch's mean only when every micro-batch holds the same number of tokens, and with
+# length bucketing they never do. Hugging Face's Trainer did this until October 2024.
+# The cells after the loop show the difference on four numbers, then check our loop
+# against one big batch.
 #
 # Two helpers come first. One returns a batch's summed loss under teacher forcing,
 # computed in float32; the other counts the real target tokens of each step.
-#
-# Three optional arguments serve Part 6's real run and change nothing by default: a
-# bound on the gradient's norm, a function called after every optimizer step (to save
-# checkpoints), and `autocast`. *bf16* is a 16-bit number format with float32's range
-# but fewer digits, faster where the hardware supports it. *Autocast* is PyTorch's
-# context that runs matrix products in bf16 and the rest in float32.
 #
 # How to read the loop:
 #
 # * micro-batch $i$ belongs to step $\lfloor i / accum \rfloor$;
 # * the optimizer steps on a group's last micro-batch, or the epoch's last;
 # * the returned loss is the mean per real target token over the epoch.
+#
+# Two optional arguments serve Part 6's real run and change nothing by default: a bound
+# on the gradient's norm (two cells down), and `autocast`. PyTorch's autocast runs matrix
+# products in *bf16*, a 16-bit format with float32's range but fewer digits, a few
+# precision-sensitive operations in float32, and the rest in their inputs' type.
 
 
 # %%
@@ -1366,7 +1365,6 @@ def run_epoch(
     state=None,
     clip_norm=None,
     autocast=contextlib.nullcontext,
-    on_step=None,
 ) -> float:
     """Train on the batches once; return the mean loss per real target token."""
     state = state if state is not None else TrainState()
@@ -1382,8 +1380,6 @@ def run_epoch(
         total_loss, total_tokens = total_loss + loss_sum.item(), total_tokens + batch.ntokens
         if (i + 1) % accum_iter == 0 or i + 1 == len(batches):  # the step's last micro-batch
             optimizer_step(optimizer, schedule, state, clip_norm)
-            if on_step is not None:
-                on_step(i + 1, total_loss, total_tokens)
     return total_loss / max(total_tokens, 1)
 
 
@@ -1811,10 +1807,8 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # The next cell imports the data tools and names the data and build folders.
 
 # %%
-import hashlib
-import importlib.metadata
 import io
-import json
+import json  # noqa: F401 (Part 7's record cell uses it; the .py twin keeps it as a comment)
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -1824,18 +1818,15 @@ import spacy
 import subword_nmt.apply_bpe
 import subword_nmt.learn_bpe
 
-from plumbing import DataError, cached_json, fingerprint, load_pairs, write_atomically
+from plumbing import DataError, load_pairs, write_atomically  # noqa: F401 (as json)
 
-# downloads, caches, vocabularies and checkpoints (the tests point it into build/smoke/)
+# downloads and checkpoints (the tests point it into build/smoke/)
 DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One line of plumbing tunes memory for CPU training, before the first bf16 product, so
-# training asks for memory less often and holds less of it:
-#
-# * the C library keeps large freed blocks for reuse;
-# * oneDNN, which runs bf16 products, caches fewer kernels.
+# One line of plumbing makes the C library keep large freed blocks for reuse, so CPU
+# training asks for memory less often (plumbing.py says by how much).
 
 # %% active="ipynb"
 # from plumbing import prepare_cpu_memory
@@ -1871,7 +1862,8 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # Why not split at spaces? Then "Hund." and "Hund" would be two tokens, and the
 # vocabulary would learn many words twice, with and without their full stop.
 #
-# Tokenizing 29,000 pairs takes a while, so the tokens are cached on disk.
+# Tokenizing every pair takes seconds, so nothing is cached: an edit to the tokenizer
+# reaches the data.
 #
 # In the example, "z.B." stays one token and "dog's" splits into "dog" and "'s".
 
@@ -1890,17 +1882,9 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizers: dict) -> dict[str, 
     }
 
 
-# %%
-def cached_tokens(split: str, pairs, tokenizers, data_dir: Path = DATA_DIR) -> dict:
-    """Tokenize a split, through a JSON cache keyed by the text and spaCy's version."""
-    key = fingerprint([pairs, spacy.__version__])
-    path = Path(data_dir) / "tokens" / f"{split}-{key}.json.gz"
-    return cached_json(path, lambda: tokenize_pairs(pairs, tokenizers))
-
-
 # %% active="ipynb"
 # tokenizers = make_tokenizers()
-# tokens = {split: cached_tokens(split, pairs, tokenizers) for split, pairs in raw.items()}
+# tokens = {split: tokenize_pairs(pairs, tokenizers) for split, pairs in raw.items()}
 # print(tokens["train"]["de"][0])
 # print(tokens["train"]["en"][0])
 # assert tokenize_pairs([("Ein Hund, z.B. dieser.", "A dog's toy.")], tokenizers) == {
@@ -1971,10 +1955,6 @@ class Vocab:
     def decode(self, ids) -> list[str]:
         return [self.itos[i] for i in ids]
 
-    def fingerprint(self) -> str:
-        merges = [" ".join(pair) for pair in self.merges or []]
-        return hashlib.sha256("\n".join([*self.itos, *merges]).encode()).hexdigest()[:16]
-
 
 # %%
 def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
@@ -1987,25 +1967,6 @@ def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
     return Vocab([*SPECIALS, *frequent])
 
 
-def save_vocab(vocab: Vocab, path: Path) -> None:
-    """Save as JSON: the list of tokens, and the BPE merges of a sub-word vocabulary."""
-    content = {"itos": vocab.itos, "merges": vocab.merges}
-    write_atomically(path, json.dumps(content, ensure_ascii=False).encode())
-
-
-def load_vocab(path: Path) -> Vocab:
-    """Load a vocabulary saved by save_vocab."""
-    try:
-        content = json.loads(Path(path).read_text(encoding="utf-8"))
-        if isinstance(content, list):  # written before sub-words: the tokens only
-            content = {"itos": content}
-        if content.get("merges"):
-            return SubwordVocab(content["itos"], content["merges"])
-        return Vocab(content["itos"])
-    except (ValueError, TypeError, KeyError) as error:
-        raise DataError(f"{path} is not a vocabulary file: delete it to rebuild") from error
-
-
 # %% active="ipynb"
 # toy_vocab = build_vocab([["a", "dog", "a"], ["a", "cat", "dog"]], min_freq=2)
 # assert toy_vocab.itos == [*SPECIALS, "a", "dog"]
@@ -2016,7 +1977,7 @@ def load_vocab(path: Path) -> Vocab:
 # ### Sub-words (§5.1)
 #
 # *Optional: no preset uses sub-words* (`bpe_merges=0` in presets.py).
-# Skim the next nine code cells, BPE from scratch, but run them.
+# The next nine code cells build BPE from scratch: skim them, but run them.
 #
 # A word vocabulary turns rare and new words into `<unk>`: "Quantencomputer" has no id,
 # though it is plainly "Quanten" + "computer". The paper encoded its sentences "using
@@ -2122,21 +2083,14 @@ def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
-def learned_merges(train_tokens: dict, merges: int, data_dir: Path = DATA_DIR) -> list:
-    """subword-nmt's BPE merges of the training words of both languages, cached as JSON."""
+def learned_merges(train_tokens: dict, merges: int) -> list:
+    """subword-nmt's BPE merges of the training words of both languages."""
     counts = Counter(t for lang in ("de", "en") for s in train_tokens[lang] for t in s)
-    counts = {t: c for t, c in sorted(counts.items()) if t.strip() and " " not in t}
-    key = fingerprint([counts, merges, importlib.metadata.version("subword-nmt")])
-    path = Path(data_dir) / "bpe" / f"merges-{merges}-{key}.json"
-
-    def learn() -> list:
-        learned = io.StringIO()
-        lines = io.StringIO("".join(f"{word} {count}\n" for word, count in counts.items()))
-        with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
-            subword_nmt.learn_bpe.learn_bpe(lines, learned, merges, is_dict=True)
-        return [line.split() for line in learned.getvalue().splitlines()[1:]]  # after #version
-
-    return cached_json(path, learn)
+    lines = "".join(f"{t} {c}\n" for t, c in sorted(counts.items()) if t.strip() and " " not in t)
+    learned = io.StringIO()
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+        subword_nmt.learn_bpe.learn_bpe(io.StringIO(lines), learned, merges, is_dict=True)
+    return [line.split() for line in learned.getvalue().splitlines()[1:]]  # after #version
 
 
 def bpe_splitter(merges: list, known: set | None = None) -> subword_nmt.apply_bpe.BPE:
@@ -2172,37 +2126,16 @@ class SubwordVocab(Vocab):
         return " ".join(units).replace(f"{SEPARATOR} ", "").removesuffix(SEPARATOR).split()
 
 
-def vocabularies(
-    train_tokens: dict, min_freq: int, data_dir: Path = DATA_DIR, bpe_merges: int = 0
-) -> dict:
-    """The vocabularies of the training tokens, cached as JSON: one per language, or one
-    joint sub-word vocabulary under both names when bpe_merges > 0."""
-    if bpe_merges:
-        merges = learned_merges(train_tokens, bpe_merges, data_dir)
-        key = fingerprint([merges, min_freq])
-        path = Path(data_dir) / "bpe" / f"vocab-{bpe_merges}-{key}.json"
-        if path.is_file():
-            joint = load_vocab(path)
-        else:
-            splitter = bpe_splitter(merges)
-            pieces = [
-                splitter.segment_tokens(s) for lang in ("de", "en") for s in train_tokens[lang]
-            ]
-            itos = build_vocab(pieces, min_freq).itos
-            joint = SubwordVocab(itos, merges)
-            save_vocab(joint, path)
-        return {"de": joint, "en": joint}
-    # the key covers every training token of both languages: any change builds anew
-    key = fingerprint([train_tokens["de"], train_tokens["en"], min_freq])
-    vocabs = {}
-    for lang in ("de", "en"):
-        path = Path(data_dir) / f"vocab-{lang}-{len(train_tokens[lang])}-{key}.json"
-        if path.is_file():
-            vocabs[lang] = load_vocab(path)
-        else:
-            vocabs[lang] = build_vocab(train_tokens[lang], min_freq)
-            save_vocab(vocabs[lang], path)
-    return vocabs
+def vocabularies(train_tokens: dict, min_freq: int, bpe_merges: int = 0) -> dict:
+    """The vocabularies of the training tokens: one per language, or one joint sub-word
+    vocabulary under both names when bpe_merges > 0."""
+    if not bpe_merges:
+        return {lang: build_vocab(train_tokens[lang], min_freq) for lang in ("de", "en")}
+    merges = learned_merges(train_tokens, bpe_merges)
+    splitter = bpe_splitter(merges)
+    pieces = [splitter.segment_tokens(s) for lang in ("de", "en") for s in train_tokens[lang]]
+    joint = SubwordVocab(build_vocab(pieces, min_freq).itos, merges)
+    return {"de": joint, "en": joint}
 
 
 # %% active="ipynb"
@@ -2407,8 +2340,8 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
     text["train"] = text["train"][: settings.train_pairs]
     for split in ("val", "test_2016_flickr"):
         text[split] = text[split][: settings.eval_pairs]
-    tokens = {s: cached_tokens(s, pairs, tokenizers, data_dir) for s, pairs in text.items()}
-    vocabs = vocabularies(tokens["train"], settings.min_freq, data_dir, settings.bpe_merges)
+    tokens = {s: tokenize_pairs(pairs, tokenizers) for s, pairs in text.items()}
+    vocabs = vocabularies(tokens["train"], settings.min_freq, settings.bpe_merges)
     return Multi30k(
         vocabs=vocabs,
         train=encode_pairs(tokens["train"], vocabs, settings.max_train_len),
@@ -2858,23 +2791,17 @@ class CachedPrefix(FullPrefix):
 # ## Part 6: training the translator
 #
 # Every piece is built. Part 3 trained the copy task with a bare loop: seed, build the
-# model, the loss, the optimizer and the schedule, then `run_epoch` every epoch and
-# `evaluate` every fifth. The translator trains with the same loop, plus the bookkeeping that a real
-# run needs, kept in [trainer.py](trainer.py) and reached through one object, `run`:
+# model, the loss, the optimizer and the schedule, then `run_epoch` every epoch. The
+# translator trains with the same loop and three additions that a real run needs:
 #
-# | the loop calls | what it does | changes what is learned? |
-# |---|---|---|
-# | `trainer.start` | resumes a stopped run, or picks the precision | yes: the precision |
-# | `run.planned_steps` | tells the schedule where the rate reaches zero | yes: where it ends |
-# | `run.resume` | loads the last checkpoint, or seeds dropout | no |
-# | `run.epochs()` | yields the epochs that the plan holds | yes: how many |
-# | `run.start_epoch` | skips the batches a resumed epoch has done | no |
-# | `run.step_done` | progress, checkpoints; with `train_minutes`, times the first steps | yes |
-# | `run.end_epoch` | the epoch's line and `last.pt`; with `train_minutes`, a re-plan | yes |
-# | `run.averaged_weights` | the mean of the last epochs' weights (§6.1) | yes, if it averages |
-# | `run.finish` | saves the final model | no |
+# * after each epoch, the validation loss and BLEU, and three sentences to watch;
+# * a checkpoint at each epoch's end, so that a stopped run goes on where it stopped;
+# * optionally, the average of the last epochs' weights, as the paper did (§6.1).
 #
-# What changes what is learned is printed, and the rate that each step used is drawn.
+# Everything that shapes what is learned is a setting, fixed and printed before the first
+# step: the model's size, the number of epochs, the rate and where it ends, the precision.
+# Nothing is decided by a clock, so every machine trains the same translator; a slower
+# one only takes longer.
 #
 # ### The presets
 #
@@ -2882,20 +2809,20 @@ class CachedPrefix(FullPrefix):
 #
 # * smoke is a toy, one layer of width 32, that shows every piece runs, in minutes; the
 #   tests use it.
-# * cpu trains 3.1 million parameters for 16 minutes: four layers of width 128 and 4
-#   heads. Its other choices were weighed on the validation split ([What matters in a
-#   short run](#What-matters-in-a-short-run)): pre-norm layers, small batches, word
-#   vocabularies, no averaging, and $\alpha = 1$ in beam search's length penalty
-#   (Part 7).
+# * cpu trains 3.1 million parameters for 11 epochs: four layers of width 128 and 4
+#   heads, in float32, so every CPU trains the same translator. Its other choices were
+#   weighed on the validation split ([What matters in a short
+#   run](#What-matters-in-a-short-run)): pre-norm layers, small batches, word
+#   vocabularies, no averaging, and $\alpha = 1$ in beam search (Part 7).
 # * gpu is the paper's base model. On 29,000 sentence pairs its 51 million parameters
 #   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
 #   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus (IWSLT'14 German-English).
 #   No GPU has run it yet: these choices are reasoned, not measured.
 #
 # The table puts them side by side. Every field, with its reason, is in
-# [presets.py](presets.py). The cpu preset trains to the clock, so
-# `dataclasses.replace(settings, epochs=3, train_minutes=None)` makes a copy that trains
-# three epochs; a copy that sets both stops at once with a message. A changed `train_pairs`,
+# [presets.py](presets.py). On a slow machine, train fewer epochs:
+# `dataclasses.replace(settings, epochs=6)` takes about half the time and, in our runs,
+# about 3 BLEU ([the records](results/README.md)). A changed `train_pairs`,
 # `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the data: run
 # `prepare_data` again (Part 4).
 
@@ -2907,10 +2834,14 @@ class CachedPrefix(FullPrefix):
 # %% [markdown]
 # First, the helpers. `Processes` says how many processes train: here one, which trains
 # on every batch with `run_epoch`. Part 10 swaps in several without touching the loop.
+#
+# An epoch's batches are cut by sentence length only, so every epoch holds as many
+# batches, and the number of optimizer steps in the whole run, where the linear schedule
+# reaches zero, is known before the first step.
 
 
 # %%
-import trainer  # the bookkeeping of a real run, which the loop below calls
+import trainer  # the checkpoint file and the run's record: what the loop need not show
 
 
 @dataclass(frozen=True)
@@ -2930,10 +2861,17 @@ class Processes:
         return run_epoch(batches, model, criterion, optimizer, schedule, **options)
 
 
-def batches_for(pairs, pad_id, settings, device, *, epoch=0, processes=Processes()) -> list:
+def batches_for(pairs, pad_id, settings, device, epoch=0, processes=Processes()) -> list:
     """One epoch's batches of `pairs` on `device`: this process's share of them."""
     indices = bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=epoch)
     return [collate(pairs, b, pad_id).to(device) for b in processes.share(indices)]
+
+
+def total_steps(pairs, settings, processes=Processes()) -> int:
+    """The schedule's steps in the whole run: the epochs times the steps of one epoch."""
+    indices = bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=0)
+    steps = math.ceil(len(processes.share(indices)) / settings.accum_iter)
+    return settings.epochs * steps * processes.world_size  # Part 10: W steps at a time
 
 
 # %% [markdown]
@@ -2954,7 +2892,8 @@ MAX_POSITIONS = 256  # rows of the positional tables: the longest input or outpu
 
 
 def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
-    """A fresh model of the preset's size for these vocabularies."""
+    """A fresh model of the preset's size for these vocabularies, drawn from its seed."""
+    set_seed(settings.seed)  # the same first weights every time
     config = ModelConfig(
         N=settings.N,
         d_model=settings.d_model,
@@ -2969,66 +2908,100 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 
 
 # %% [markdown]
-# The loop: Part 3's, with `run`'s calls between its lines. It builds the model with our
-# own attention function, so an edit to it is what trains.
+# After each epoch, `validate` measures the validation loss and, in one process, greedy
+# BLEU and the three sentences of [Watch it learn](#Watch-it-learn).
+# `average_last_epochs` loads the mean of the last epochs' weights into the model (§6.1)
+# and scores it the same way.
+
+
+# %%
+def validate(model, data: Multi30k, settings, criterion, *, autocast, rank=0) -> dict:
+    """The validation loss; on rank 0 also greedy BLEU and the watched translations."""
+    device = next(model.parameters()).device
+    batches = batches_for(data.val, data.vocabs["en"].pad_id, settings, device)
+    scores = {"val_loss": evaluate(batches, model, criterion, autocast=autocast)}
+    if rank == 0:
+        scores["val_bleu"] = validation_bleu(model, data)
+        scores["watched"] = watched_translations(model, data)
+    return scores
+
+
+def average_last_epochs(model, history: list[dict], folder: Path, last: int, scores) -> list:
+    """Load the mean of the last `last` epochs' weights into `model`; return the history
+    whose last record also holds that model's epochs and `scores()`."""
+    epochs = [h["epoch"] for h in history[-last:]]
+    model.load_state_dict(trainer.average_of(folder, epochs))
+    return [*history[:-1], history[-1] | {"averaged": {"epochs": epochs, **scores()}}]
+
+
+# %% [markdown]
+# The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
+# schedule, the step counter and the history, a record per epoch. All of it goes into
+# `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on, drawing
+# the same random numbers as a run never stopped.
 
 
 # %%
 def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes=Processes()):
-    """Train a translator on `data`; go on from the last checkpoint in `folder` if any."""
-    set_seed(settings.seed)  # the same first weights in every process
-    model = model_for(settings, data.vocabs).to(device)
-    en = data.vocabs["en"]
+    """Train a translator on `data`; go on from the last finished epoch in `folder` if any."""
+    model = model_for(settings, data.vocabs).to(device)  # the same in every process
+    en, rank = data.vocabs["en"], processes.rank
     criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-    val_batches = batches_for(data.val, en.pad_id, settings, device)
-    rank, world_size = processes.rank, processes.world_size
-    run = trainer.start(settings, folder, model, val_batches[0], rank=rank, world_size=world_size)
-    optimizer, schedule = make_optimizer(model, settings, total_steps=run.planned_steps)
-    state = run.resume(model, optimizer, schedule, TrainState())  # from a checkpoint, if any
-    learner = processes.wrap(model)  # the model itself, or DDP's wrapper (Part 10)
-    for epoch in run.epochs():
-        batches = batches_for(data.train, en.pad_id, settings, device, epoch=epoch,
-                              processes=processes)  # fmt: skip
-        processes.epoch(run.start_epoch(batches), learner, criterion, optimizer, schedule,
-                        accum_iter=settings.accum_iter, state=state, clip_norm=settings.clip_norm,
-                        autocast=run.autocast, on_step=run.step_done)  # fmt: skip
-        val_loss = evaluate(val_batches, model, criterion, autocast=run.autocast)
-        bleu = validation_bleu(model, data) if rank == 0 else None  # one process translates
-        watched = watched_translations(model, data) if rank == 0 else None
-        run.end_epoch(val_loss=val_loss, val_bleu=bleu, watched=watched)
-    averaged = run.averaged_weights()  # §6.1: the epochs and their mean; None if none
-    if averaged is not None:
-        model.load_state_dict(averaged.pop("weights"))
-        averaged["val_loss"] = evaluate(val_batches, model, criterion, autocast=run.autocast)
-        averaged["val_bleu"] = validation_bleu(model, data)
-    return model, run.finish(averaged)  # the history of the run; final.pt in its folder
+    steps = total_steps(data.train, settings, processes)  # where the linear rate ends
+    optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
+    state = TrainState()
+    kept = {"model": model, "optimizer": optimizer, "schedule": schedule, "state": state}
+    trainer.seed_dropout(settings.seed, rank)  # each process its own; last.pt's if it resumes
+    history = trainer.load_last(folder, kept, rank=rank, world_size=processes.world_size)
+    learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
+    options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, state=state)
+    for epoch in range(len(history), settings.epochs):
+        batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
+        began = time.perf_counter()
+        train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule,
+                                     autocast=autocast, **options)  # fmt: skip
+        record = {"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - began,
+                  "tokens": sum(b.ntokens for b in batches), "step": state.step,
+                  "rate": schedule.get_last_lr()[0]}  # fmt: skip
+        scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
+        history = [*history, record | scores(rank=rank)]
+        if rank == 0:
+            print(trainer.epoch_line(history[-1]))
+        trainer.save_last(folder, kept, history, rank=rank, average_last=settings.average_last)
+    if rank == 0 and settings.average_last > 1:  # §6.1
+        history = average_last_epochs(model, history, folder, settings.average_last, scores)
+    trainer.save_final(folder, model, history, rank)
+    return model, history
 
 
 # %% [markdown]
-# Where does a run live? In a folder under data/checkpoints, named by what training
-# reaches: the settings that shape it, the data, torch's version, and the code that
-# `train` calls, followed through calls. `globals()` hands the trainer this notebook's
-# definitions, so the folder follows the code you ran. Rerun the cell and it loads the
-# trained model in seconds. An edit on that path, such as to `attention`, trains a new
+# Where does a run live? In a folder under data/checkpoints, named by the settings that
+# shape training, the data, torch's version, and the code that `train` calls, followed
+# through calls; `globals()` hands over this notebook's definitions. Rerun the cell and
+# it loads the trained model in seconds. An edit on that path, such as to `attention`, trains a new
 # model beside the old one; an edit off it, such as to beam search, keeps it.
 # `retrain=True` trains afresh, moving the old run aside.
 #
-# The cell prints what decides the maths: the precision (on a CPU, bf16 only where a batch
-# runs clearly faster in it), the epochs, and where the rate ends. With the cpu preset, it
-# trains for about 16 minutes: read on meanwhile.
+# The cell first prints the epochs, the precision, the steps and where the rate ends.
+# With the cpu preset it trains for 10 to 25 minutes, by the machine: read on meanwhile.
 
 # %% active="ipynb"
 # device = pick_device()
 # folder = trainer.run_folder(settings, data, globals(), DATA_DIR, retrain=False)
+# run_steps = total_steps(data.train, settings)
+# end = "at zero after the last" if settings.schedule == "linear" else "never"
+# print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps,")
+# print(f"the rate at its peak after step {settings.warmup:,} and {end}")
 # finished = trainer.load_final(folder, model_for(settings, data.vocabs).to(device))
 # model, history = finished or train(settings, data, folder, device=device)
-# print(trainer.decisions(history, settings.schedule))
 # print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
+# assert len(history) == settings.epochs and history[-1]["step"] == run_steps
 # assert history[-1]["val_loss"] < history[0]["val_loss"] or len(history) == 1
 
 # %% [markdown]
 # Loss and validation BLEU per epoch (a diamond marks an averaged model), and below them
-# the learning rate that each optimizer step used, from the run's record. Validation loss
+# the learning rate that the settings define, step by step; the cell checks that the
+# optimizer held that rate at each epoch's end, from the run's history. Validation loss
 # below training loss early on is normal, as training loss is measured with dropout on.
 # Watch for a validation curve that flattens while the training curve keeps falling: the
 # model has begun to memorise.
@@ -3048,13 +3021,14 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 #     if averaged
 #     else []
 # )
-# rates = [r for h in history for r in h.get("rates", [])]  # one per optimizer step
-# every = 1 + len(rates) // 1000  # at most about 1,000 points
-# rate_rows = [{"step": i + 1, "learning rate": r} for i, r in enumerate(rates)][::every]
+# _, planned = make_optimizer(nn.Linear(1, 1), settings, total_steps=run_steps)
+# rate_of = planned.lr_lambdas[0]  # the rate of optimizer step s (counted from 0)
+# rate_rows = [{"step": s, "learning rate": rate_of(s)} for s in range(0, run_steps, 10)]
 # assert all(math.isfinite(r["value"]) for r in curve_rows + bleu_rows + average_rows)
-# assert min(rates) > 0 and len(rates) == history[-1]["plan"]["steps"]
+# assert all(math.isclose(h["rate"], rate_of(h["step"]), abs_tol=1e-12) for h in history)
 
-# %% active="ipynb"
+# %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input"]
+# # The charts of the training run (Altair), from the rows above
 # losses_chart = (
 #     alt.Chart(pd.DataFrame(curve_rows), title="Label-smoothed loss")
 #     .mark_line(point=True)
@@ -3065,14 +3039,12 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 #     .mark_line(point=True)
 #     .encode(x="epoch:O", y=alt.Y("value", title="sacreBLEU"))
 # )
-# if average_rows:
-#     bleu_chart += (
-#         alt.Chart(pd.DataFrame(average_rows))
-#         .mark_point(shape="diamond", size=120, filled=True, color="black")
-#         .encode(x="epoch:O", y="value")
-#     )
+# diamonds = alt.Chart(pd.DataFrame(average_rows, columns=["epoch", "series", "value"]))
+# bleu_chart += diamonds.mark_point(shape="diamond", size=120, filled=True, color="black").encode(
+#     x="epoch:O", y="value"
+# )  # the averaged model, if any
 # rate_chart = (
-#     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate used, step by step")
+#     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate by optimizer step")
 #     .mark_line()
 #     .encode(x="step", y=alt.Y("learning rate", axis=alt.Axis(format=".1e")))
 # )
@@ -3109,7 +3081,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 #
 # *Optional: how the cpu preset's choices were made.* The paper trained its base model
 # for 100,000 steps of about 25,000 target tokens; the cpu preset gets a few thousand
-# steps of about 1,300 on two cores, in 16 minutes. Its
+# steps of about 1,300 on two cores, in 11 epochs. Its
 # choices were compared on the validation split, never on the test set ([the
 # records](results/README.md)), most on an earlier, wider preset; a second seed alone
 # moves BLEU by about a point, so treat smaller gaps as ties.
@@ -3535,10 +3507,8 @@ MY_SENTENCES = [
 # into German on news, and ours is German into English on image captions. Part 9 lists
 # the other differences.
 
+
 # %%
-import time
-
-
 def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
     """Greedy and beam BLEU on the test split, with decoding times."""
     sources = [pair[0] for pair in data.test]
@@ -3880,7 +3850,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
-# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 16 minutes.
+# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 10 to 25 minutes.
 # * **Model**: N = 6, $d_{\text{model}}$ = 512, post-norm. Here: smaller, pre-norm.
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
@@ -3911,17 +3881,15 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
 #    $W$;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
-# 4. each divides its loss by a $W$-th of the step's tokens on all ranks,
-#    so DDP's average is no mean of means.
+# 4. DDP divides the summed gradients by $W$, so each rank divides its loss by a $W$-th
+#    of the step's tokens on all ranks: the mean per token of the whole step.
 #
 # Why equal shares? A rank one batch short would miss an all-reduce: the rest hang or fail.
 #
-# The schedule advances $W$ steps per optimizer step: $W$ ranks consume $W$ times the
-# data.
+# One optimizer step trains on $W$ ranks' batches, so the schedule moves $W$ steps at once.
 #
 # Only rank 0 translates the validation set after each epoch. Part 6's loop does not
-# change: it asks its `processes` for the model to train, the batches and the epoch,
-# and `DDPProcesses`, below, answers for several processes.
+# change: `DDPProcesses`, below, stands in for `Processes`.
 
 
 # %%
@@ -3957,7 +3925,7 @@ from plumbing import sum_over_ranks  # an all-reduce of a few numbers (one proce
 
 def ddp_epoch(
     batches, model, criterion, optimizer, schedule, *, world_size, accum_iter=1, state=None,
-    clip_norm=None, autocast=contextlib.nullcontext, on_step=None,
+    clip_norm=None, autocast=contextlib.nullcontext,
 ) -> float:  # fmt: skip
     """run_epoch for one of world_size ranks: `batches` is its shard, `model` is DDP's."""
     state = state if state is not None else TrainState()
@@ -3980,8 +3948,8 @@ def ddp_epoch(
             optimizer_step(optimizer, schedule, state, clip_norm)
             for _ in range(world_size - 1):  # the rate of W single-process steps
                 schedule.step()
-            if on_step is not None:
-                on_step(i + 1, total_loss, total_tokens)
+    # the mean over all ranks' tokens, as one process would report it
+    total_loss, total_tokens = sum_over_ranks([total_loss, total_tokens], device)
     return total_loss / max(total_tokens, 1)
 
 

@@ -1,4 +1,4 @@
-"""The plumbing under the notebook: files, caches, checkpoints, random states, machine facts.
+"""The plumbing under the notebook: files, checkpoints, random states, machine facts.
 
 Nothing here teaches the Transformer, so it lives outside the lesson. What it guarantees:
 
@@ -7,8 +7,7 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 * every Multi30k file is checked against the SHA-256 pinned here before it is read;
 * every problem with an input raises one line (`DataError`, `CheckpointError`) that
   names the file and says what to do;
-* caches are JSON and checkpoints are read with `torch.load(weights_only=True)`: neither
-  can run code;
+* checkpoints are read with `torch.load(weights_only=True)`: they cannot run code;
 * the random states of Python, NumPy and torch are saved and restored whole, so a
   resumed run draws the same numbers as one never interrupted;
 * a run's folder is named by what training reaches (`run_folder`, `code_reached`): the
@@ -84,23 +83,6 @@ def write_atomically(path: Path, data: bytes) -> None:
 def fingerprint(value) -> str:
     """A short SHA-256 of a JSON-serialisable value: a cache key that changes with it."""
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
-
-
-def cached_json(path: Path, compute):
-    """The JSON value stored at `path` (gzipped if it ends in .gz); else compute() it,
-    store it and return it. A damaged cache is computed again, with a message."""
-    path = Path(path)
-    packed = path.suffix == ".gz"
-    if path.is_file():
-        try:
-            raw = path.read_bytes()
-            return json.loads(gzip.decompress(raw) if packed else raw)
-        except (OSError, EOFError, ValueError):
-            print(f"{path} is damaged; computing it again")
-    value = compute()
-    data = json.dumps(value, ensure_ascii=False).encode()
-    write_atomically(path, gzip.compress(data) if packed else data)
-    return value
 
 
 # --- Multi30k files -----------------------------------------------------------------------
@@ -314,7 +296,8 @@ def is_lesson_code(value, home: str) -> bool:
 
 
 def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
-    """A hash of each function, class and constant that `roots` reach, name by name.
+    """A hash of each function and class that `roots` reach, and the repr of each constant
+    (a name in capitals), name by name.
 
     `namespace` is the notebook's (its `globals()`) or the twin's: an edited cell counts.
     A definition that training never calls (beam search, the heatmaps, Part 8's sentence)
@@ -342,7 +325,7 @@ def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
 
 
 # The settings that do not change what training computes.
-NOT_TRAINING = ("name", "beam_size", "length_penalty", "checkpoint_steps")
+NOT_TRAINING = ("name", "beam_size", "length_penalty")
 
 
 def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
@@ -383,6 +366,23 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
     return folder
 
 
+def differences(mine: dict, theirs: dict) -> str:
+    """How one run's manifest differs from another's, in a few words ("" if in nothing)."""
+    changes = []
+    for part, label in (("settings", "other settings"), ("code", "other code")):
+        ours, other = mine.get(part, {}), theirs.get(part, {})
+        names = sorted(k for k in ours.keys() | other.keys() if ours.get(k) != other.get(k))
+        if names:
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            changes.append(f"{label} for: {', '.join(names[:5])}{more}")
+    for part in sorted(set(mine.get("data", {})) | set(theirs.get("data", {}))):
+        if mine.get("data", {}).get(part) != theirs.get("data", {}).get(part):
+            changes.append(f"other {part}")
+    if mine.get("torch") != theirs.get("torch"):
+        changes.append(f"torch {mine.get('torch')} (was {theirs.get('torch')})")
+    return "; ".join(changes)
+
+
 def what_changed(folder: Path) -> str:
     """How this run differs from the newest other run of its preset, in a few words."""
     mine = json.loads((folder / "manifest.json").read_text())
@@ -391,21 +391,7 @@ def what_changed(folder: Path) -> str:
     ]
     if not others:
         return ""
-    theirs = json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text())
-    changes = []
-    for part, label in (("settings", "other settings"), ("code", "other code")):
-        names = sorted(
-            k
-            for k in mine[part].keys() | theirs.get(part, {}).keys()
-            if mine[part].get(k) != theirs.get(part, {}).get(k)
-        )
-        if names:
-            changes.append(f"{label} for: {', '.join(names)}")
-    if mine["data"] != theirs.get("data"):
-        changes.append("other data")
-    if mine.get("torch") != theirs.get("torch"):
-        changes.append(f"torch {mine.get('torch')} (was {theirs.get('torch')})")
-    return "; ".join(changes)
+    return differences(mine, json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text()))
 
 
 # --- checkpoints and random states --------------------------------------------------------

@@ -6,7 +6,6 @@ The figures are not checked against their goals here: a benchmark is not a timed
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -17,7 +16,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import annotated_transformer as at
 import trainer
-from plumbing import save_checkpoint
 
 sys.path.insert(0, str(ROOT / "tools"))
 import bench
@@ -37,7 +35,7 @@ def data_dir(tmp_path_factory, multi30k):
     run_folder = trainer.run_folder(SMOKE, data, vars(at), folder)
     at.set_seed(0)
     model = at.model_for(SMOKE, data.vocabs)
-    save_checkpoint(run_folder / "final.pt", model=model.state_dict(), history=[])
+    trainer.save_final(run_folder, model, history=[])
     return folder
 
 
@@ -72,11 +70,10 @@ def test_headline_figures_and_table(run):
     assert bench.MFU_MEANING in printed
 
 
-def test_every_training_figure_is_in_the_precision_a_run_picks(run):
+def test_every_training_figure_is_in_the_presets_precision(run):
     report, printed = run
-    # the smoke preset stays in float32 (choose_precision says so without measuring)
-    assert report["precision"] == "fp32" and not report["precision_forced"]
-    assert report["precision_calibration"] == "float32, as the settings ask"
+    assert report["precision"] == SMOKE.precision == "fp32" and not report["precision_forced"]
+    assert report["precision_calibration"] == "the preset's setting"
     assert report["model_vs_pytorch"]["precision"] == report["pipeline"]["precision"] == "fp32"
     assert report["utilisation"]["matmul"]["precision"] == "fp32"
     assert "1/4 training step in fp32" in printed and "| training precision | fp32 " in printed
@@ -117,19 +114,6 @@ def test_training_flops_count_the_products_that_pytorch_counts():
         pad,
     )
     assert bench.training_flops(model, settings, [padded], pad) == counted  # padding: none
-
-
-def test_calibration_is_the_runs_own(data_dir, multi30k_env):
-    data = at.prepare_data(SMOKE, data_dir)
-    auto = dataclasses.replace(SMOKE, precision="auto")  # as the cpu preset has it
-    chosen = bench.calibrate_precision(auto, data, torch.device("cpu"))
-    assert chosen["precision"] in bench.DTYPES
-    assert re.fullmatch(r"one batch took [\d.]+ s in float32 and [\d.]+ s in bf16 here",
-                        chosen["calibration"])  # fmt: skip
-    assert bench.calibrate_precision(SMOKE, data, torch.device("cpu")) == {
-        "precision": "fp32",
-        "calibration": "float32, as the settings ask",
-    }
 
 
 def test_both_models_train_and_have_the_same_layers(run):

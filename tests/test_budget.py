@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import CPU, assert_same_weights, quick_settings, tiny_model, train_as_the_notebook
+from conftest import CPU, assert_same_weights, quick_settings, train_as_the_notebook
 from torch import nn
 
 import annotated_transformer as at
@@ -29,6 +29,29 @@ def test_linear_rate_keeps_the_papers_warmup_and_peak_then_falls_to_zero():
     assert values[total] == values[total + 1] == 0.0  # and nothing after it
 
 
+def test_every_preset_names_a_whole_number_of_epochs_and_nothing_else_sets_the_length():
+    assert all(type(p.epochs) is int and p.epochs >= 1 for p in at.PRESETS.values())
+    fields = {f.name for f in dataclasses.fields(at.Settings)}
+    assert not fields & {"train_minutes", "checkpoint_steps"}  # no clock, no mid-epoch files
+    for wrong in (None, 0, 2.5):
+        with pytest.raises(ValueError, match=f"epochs={wrong!r}: train a whole number of epochs"):
+            at.Settings(name="t", epochs=wrong)
+
+
+def test_the_runs_steps_count_every_ranks_steps(quick_data):
+    """With W ranks, each steps the schedule W times per optimizer step (ddp_epoch), so the
+    run's end counts W steps for each of a rank's own."""
+    settings = dataclasses.replace(quick_settings(), accum_iter=2, epochs=3)
+    batches = at.bucket_batches(
+        quick_data.train, settings.batch_tokens, seed=settings.seed, epoch=0
+    )
+    one = at.total_steps(quick_data.train, settings)
+    assert one == 3 * math.ceil(len(batches) / 2)
+    two = at.total_steps(quick_data.train, settings, at.DDPProcesses(rank=1, world_size=2))
+    share = at.shard_batches(batches, 1, 2)
+    assert two == 3 * math.ceil(len(share) / 2) * 2
+
+
 def test_a_linear_schedule_needs_room_after_the_warmup():
     settings = at.Settings(name="t", d_model=16, warmup=50, schedule="linear")
     for total in (None, 50):
@@ -37,33 +60,31 @@ def test_a_linear_schedule_needs_room_after_the_warmup():
     at.make_optimizer(nn.Linear(2, 2), settings, total_steps=51)  # one step after it will do
 
 
-def test_a_planned_end_within_the_warmup_is_refused_when_the_warmup_ends():
-    """A run planned to the clock knows its end only after its first steps, so the check
-    waits for the end of the warm-up, then refuses as a number would."""
-    settings = at.Settings(name="t", d_model=16, warmup=3, schedule="linear")
-    optimizer, schedule = at.make_optimizer(nn.Linear(2, 2), settings, total_steps=lambda: 3)
-    for _ in range(2):  # steps 2 and 3 are still warming up
-        optimizer.step()
-        schedule.step()
-    with pytest.raises(ValueError, match=r"more planned steps \(3\) than warm-up steps \(3\)"):
-        schedule.step()
-
-
 @pytest.mark.slow
-def test_a_fixed_run_takes_its_planned_steps_and_ends_its_rate_at_zero(quick_data, tmp_path):
+def test_a_run_takes_the_steps_known_before_it_and_ends_its_rate_at_zero(quick_data, tmp_path):
     settings = dataclasses.replace(quick_settings(), epochs=2)
+    steps = at.total_steps(quick_data.train, settings)  # known before the first step
     _, history, folder = train_as_the_notebook(settings, quick_data, tmp_path)
-    plan, last = history[-1]["plan"], read_checkpoint(folder / "last.pt")
+    last = read_checkpoint(folder / "last.pt")
     en = quick_data.vocabs["en"]
-    batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU)
-    assert plan["steps"] == 2 * math.ceil(len(batches) / settings.accum_iter) > settings.warmup
-    assert last["state"]["step"] == plan["steps"]
-    assert last["schedule"]["_last_lr"] == [0.0]  # the rate after the last step
+    for epoch in range(2):  # every epoch holds as many batches: they are cut by length
+        batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU, epoch)
+        assert steps == 2 * math.ceil(len(batches) / settings.accum_iter) > settings.warmup
+    assert [h["step"] for h in history] == [steps // 2, steps] and last["state"]["step"] == steps
+    assert history[0]["rate"] > 0 and history[-1]["rate"] == 0.0  # the rate after the last step
+    assert last["schedule"]["_last_lr"] == [0.0]
+
+
+def test_an_epochs_batches_are_as_many_in_every_epoch(quick_data):
+    """total_steps counts epoch 0's batches: the batches are cut by lengths alone, and
+    every epoch's shuffle keeps the multiset of lengths, so every epoch has as many."""
+    pairs = quick_data.train
+    counts = {len(at.bucket_batches(pairs, 400, seed=s, epoch=e)) for s in (1, 2) for e in range(6)}
+    assert len(counts) == 1
 
 
 def test_every_presets_warmup_ends_well_before_its_run(tmp_path, multi30k_env):
-    """A third of a fixed run, or the first epoch of a run planned to the clock (one that
-    fits fewer than MIN_USEFUL_EPOCHS epochs warns)."""
+    """Within the first third of the run's steps."""
     # the presets keep the same training pairs (word vocabularies, the same longest pair)
     assert len({(s.bpe_merges, s.max_train_len) for s in at.PRESETS.values()}) == 1
     pairs = at.prepare_data(at.get_settings("cpu"), tmp_path).train
@@ -72,9 +93,8 @@ def test_every_presets_warmup_ends_well_before_its_run(tmp_path, multi30k_env):
         batches = at.bucket_batches(pairs[: settings.train_pairs], settings.batch_tokens,
                                     seed=settings.seed, epoch=0)  # fmt: skip
         epoch_steps = math.ceil(len(batches) / settings.accum_iter)
-        epochs = trainer.MIN_USEFUL_EPOCHS if settings.train_minutes else settings.epochs
-        assert settings.warmup < epochs * epoch_steps / 3, settings.name
-        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=epochs * epoch_steps)
+        assert settings.warmup < settings.epochs * epoch_steps / 3, settings.name
+        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=settings.epochs * epoch_steps)
 
 
 # --- clipping ----------------------------------------------------------------------------
@@ -109,42 +129,11 @@ def tiny_batch():
     return at.Batch(src, src, 0)
 
 
-def test_precision_follows_the_settings_the_device_and_a_measurement(capsys, monkeypatch):
-    model, batch = tiny_model(dropout=0.1), tiny_batch()
-    fp32, bf16, auto = (at.Settings(name="t", precision=p) for p in ("fp32", "bf16", "auto"))
-
-    def choose(settings, device="cpu", world_size=1):
-        """The choice alone; trainer.choose_precision also says why."""
-        chosen, why = trainer.choose_precision(
-            settings, torch.device(device), model, batch, world_size
-        )
-        assert why
-        return chosen
-
+def test_precision_is_a_setting_and_a_wrong_one_stops_at_once():
     assert at.Settings(name="t").precision == "fp32"  # the default: the same numbers anywhere
-    assert choose(fp32) == choose(fp32, "cuda") == "fp32"  # asked for: never changed
-    assert choose(bf16) == choose(bf16, "cuda") == "bf16"
-    assert choose(auto, "cuda") == "bf16"  # no measurement: bf16 pays off on CUDA
-    assert choose(auto, "mps") == choose(bf16, "mps") == "fp32"  # no bf16 autocast there
-    assert choose(auto, world_size=2) == "fp32"  # CPU ranks would have to agree
-    assert capsys.readouterr().out == ""  # none of these needed a measurement
-    for pays, chosen in [(True, "bf16"), (False, "fp32")]:
-        monkeypatch.setattr(trainer, "bf16_pays_off", lambda *args, pays=pays: (pays, 0.5, 0.25))
-        device = torch.device("cpu")
-        assert trainer.choose_precision(auto, device, model, batch) == (
-            chosen,  # on a CPU, the measurement decides, and the reason gives its times
-            "one batch took 0.50 s in float32 and 0.25 s in bf16 here",
-        )
-
-
-def test_calibration_draws_no_random_numbers_and_leaves_no_gradient():
-    at.set_seed(0)
-    model = tiny_model(dropout=0.5)
-    before = torch.get_rng_state()
-    pays, fp32, bf16 = trainer.bf16_pays_off(model, tiny_batch(), repeats=1)
-    assert fp32 > 0 and bf16 > 0 and pays == (fp32 > 1.2 * bf16)  # the default margin
-    assert torch.equal(before, torch.get_rng_state())
-    assert all(p.grad is None for p in model.parameters())
+    assert {p.precision for p in (at.SMOKE, at.CPU)} == {"fp32"}  # every CPU: one translator
+    with pytest.raises(ValueError, match="precision='auto': use one of fp32, bf16"):
+        at.Settings(name="t", precision="auto")
 
 
 def test_autocast_for_runs_the_products_in_bf16_only_when_asked():
@@ -159,16 +148,18 @@ def test_autocast_for_runs_the_products_in_bf16_only_when_asked():
 
 
 def test_averaged_weights_are_the_elementwise_mean_of_the_last_epochs(tmp_path):
-    settings = dataclasses.replace(quick_settings(), average_last=2)
-    run = trainer.Run(settings, tmp_path, trainer.Plan(3, "fp32"))
-    run.history = [{}, {}, {}]  # after three epochs
     weights = {0: [9.0, 9.0], 1: [1.0, 2.0], 2: [4.0, -1.0]}  # epoch 0 falls outside
     for epoch, w in weights.items():
         save_checkpoint(tmp_path / f"epoch-{epoch}.pt", model={"w": torch.tensor(w)})
-    averaged = run.averaged_weights()
-    assert averaged["epochs"] == [1, 2]
-    torch.testing.assert_close(averaged["weights"]["w"], torch.tensor([2.5, 0.5]))
-    assert run.history == [{}, {}, {}]  # averaging returns values, and edits no record
+    torch.testing.assert_close(trainer.average_of(tmp_path, [1, 2])["w"], torch.tensor([2.5, 0.5]))
+    model = torch.nn.Linear(1, 1, bias=False)
+    model.load_state_dict({"weight": torch.zeros(1, 1)})
+    history = [{"epoch": e} for e in range(3)]
+    save_checkpoint(tmp_path / "epoch-1.pt", model={"weight": torch.ones(1, 1)})
+    save_checkpoint(tmp_path / "epoch-2.pt", model={"weight": 3 * torch.ones(1, 1)})
+    new = at.average_last_epochs(model, history, tmp_path, 2, lambda: {"val_loss": 1.5})
+    assert model.weight.item() == 2.0 and new[-1]["averaged"] == {"epochs": [1, 2], "val_loss": 1.5}
+    assert history == [{"epoch": e} for e in range(3)]  # a new history; the old one unedited
 
 
 @pytest.mark.slow

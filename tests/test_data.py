@@ -1,5 +1,6 @@
 """Multi30k loading, tokenization cache, vocabulary and batching."""
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -189,17 +190,6 @@ def test_unwritable_folder_is_one_clear_line_and_keeps_the_old_file(tmp_path, mo
     assert target.read_text() == "old"
 
 
-def test_vocabulary_json_round_trip(tmp_path):
-    vocab = at.build_vocab([["Ein", "Hund", "läuft"], ["Ein", "Hund"], ["läuft"]], min_freq=2)
-    at.save_vocab(vocab, tmp_path / "v.json")
-    loaded = at.load_vocab(tmp_path / "v.json")
-    assert loaded.itos == vocab.itos and loaded.fingerprint() == vocab.fingerprint()
-    assert loaded.encode(["Hund", "Katze"]) == [vocab.stoi["Hund"], vocab.unk_id]
-    (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(at.DataError, match="not a vocabulary file"):
-        at.load_vocab(tmp_path / "bad.json")
-
-
 @pytest.fixture(scope="module")
 def real_train(tmp_path_factory, multi30k):
     """The real training split, encoded, as the cpu preset sees it."""
@@ -207,8 +197,8 @@ def real_train(tmp_path_factory, multi30k):
     mp.setenv("MULTI30K_DIR", str(multi30k))
     settings = at.get_settings("cpu")
     text = at.load_pairs("train", at.DATA_DIR)
-    tokens = at.cached_tokens("train", text, at.make_tokenizers(), at.DATA_DIR)
-    vocabs = at.vocabularies(tokens, settings.min_freq, tmp_path_factory.mktemp("vocab"))
+    tokens = at.tokenize_pairs(text, at.make_tokenizers())
+    vocabs = at.vocabularies(tokens, settings.min_freq)
     mp.undo()
     return settings, vocabs, at.encode_pairs(tokens, vocabs, settings.max_train_len)
 
@@ -266,23 +256,13 @@ def test_unknown_preset_is_one_clear_line(monkeypatch):
     assert at.get_settings("smoke").name == "smoke"
 
 
-def tokens_of(n, last_de="Hund", last_en="dog"):
-    de = [["ein", "Hund"] for _ in range(n)]
-    en = [["a", "dog"] for _ in range(n)]
-    de[-1], en[-1] = ["ein", last_de], ["a", last_en]
-    return {"de": de, "en": en}
-
-
-@pytest.mark.parametrize("changed", ["de", "en"])
-def test_vocabulary_cache_key_covers_every_sentence_of_both_languages(tmp_path, changed):
-    """A change at sentence 60 (past the old 50-sentence key), in either language, makes
-    a new vocabulary instead of reusing the cached one."""
-    first = at.vocabularies(tokens_of(60), min_freq=1, data_dir=tmp_path)
-    other = tokens_of(60, **({"last_de": "Katze"} if changed == "de" else {"last_en": "cat"}))
-    second = at.vocabularies(other, min_freq=1, data_dir=tmp_path)
-    word = "Katze" if changed == "de" else "cat"
-    assert word not in first[changed].stoi and word in second[changed].stoi
-    assert len(list(tmp_path.glob(f"vocab-{changed}-*.json"))) == 2
+def test_preparing_the_data_writes_no_cache(tmp_path, monkeypatch):
+    """Tokens, vocabularies and merges are computed afresh each time: an edited cell that
+    makes them reaches the data (tests/test_runs.py edits each), and only downloads and
+    runs live on disk."""
+    settings = dataclasses.replace(at.SMOKE, train_pairs=50, eval_pairs=5, bpe_merges=50)
+    conftest.prepared_data(settings, tmp_path, monkeypatch)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # MULTI30K_DIR: no download
 
 
 def test_byte_order_mark_is_dropped(tmp_path):

@@ -125,22 +125,22 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, multi30
 
 
 class Started(Exception):
-    """The run stopped right after Run.resume."""
+    """The run stopped right after trainer.load_last."""
 
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, monkeypatch):
-    """The notebook's `train` seeds the model with the settings' seed, then Run.resume
-    seeds dropout by rank. One process stands for each rank in turn: world_size stays 1,
-    so no process group is needed, and `train` stops right after resume."""
-    resume, seen = trainer.Run.resume, []
+    """The notebook's `train` seeds the model with the settings' seed, then seeds dropout
+    by rank. One process stands for each rank in turn: world_size stays 1, so no process
+    group is needed, and `train` stops right after loading (nothing to load here)."""
+    load, seen = trainer.load_last, []
 
-    def resume_and_stop(run, model, *args):
-        resume(run, model, *args)
-        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    def load_and_stop(folder, kept, **options):
+        load(folder, kept, **options)
+        weights = torch.cat([p.detach().flatten() for p in kept["model"].parameters()])
         seen.append((weights, torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0))
         raise Started
 
-    monkeypatch.setattr(trainer.Run, "resume", resume_and_stop)
+    monkeypatch.setattr(trainer, "load_last", load_and_stop)
 
     def started(rank: int) -> tuple:
         torch.manual_seed(100 + len(seen))  # whatever ran before: train seeds its own
@@ -154,25 +154,31 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, 
     assert torch.equal(started(1)[1], mask_1), "a rank's stream is the same on every run"
 
 
+def rank_steps_per_epoch(data, settings, world_size: int = 2) -> int:
+    """Optimizer steps that one of `world_size` ranks takes in an epoch."""
+    processes = at.DDPProcesses(rank=0, world_size=world_size)
+    return at.total_steps(data.train, settings, processes) // (settings.epochs * world_size)
+
+
 @pytest.mark.slow
-def test_ddp_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, monkeypatch, multi30k_env):
-    """2 ranks with dropout stop after optimizer step 5 (both raise); the restart resumes
-    from the step-4 checkpoint, each rank from its own totals and random states, and
-    ends bit-identical to an uninterrupted run, per-epoch train losses included."""
-    settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400, checkpoint_steps=2)
+def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
+    tmp_path, monkeypatch, multi30k_env
+):
+    """2 ranks with dropout stop in the middle of their second epoch (both raise); the
+    rerun goes on from the first epoch's last.pt, each rank from its own random states,
+    and ends bit-identical to an uninterrupted run, per-epoch losses included."""
+    settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400)
     fields = dataclasses.asdict(settings)
-    prepared_data(settings, tmp_path / "straight", monkeypatch)  # the ranks read its caches
     stopping_jobs.spawn(fields, tmp_path / "straight", fail_at=0)
     data = prepared_data(settings, tmp_path / "stopped", monkeypatch)
-    with pytest.raises(Exception, match="stopped on purpose at step 5"):
-        stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=5)
+    per_epoch = rank_steps_per_epoch(data, settings)
+    with pytest.raises(Exception, match=f"stopped on purpose at step {per_epoch + 2}"):
+        stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=per_epoch + 2)
     # the stopped job's optimizer was instrumented, its folder is still the run's own
     folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
     last = read_checkpoint(folder / "last.pt")
-    position = last["ranks"][0]["position"]
-    assert last["state"]["step"] == 4 and last["history"] == [] and position["done"] == 8
-    totals = [r["position"]["tokens"] for r in last["ranks"]]
-    assert totals[0] != totals[1], "the ranks' own totals differ, so each must keep its own"
+    assert last["state"]["step"] == per_epoch and len(last["history"]) == 1
+    assert len(last["random"]) == 2 and not torch.equal(*(r["torch"] for r in last["random"]))
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
         read_checkpoint(
@@ -225,14 +231,17 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, multi30k
 
 
 @pytest.mark.slow
-def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_path, multi30k_env):
-    """Two machines without a shared filesystem: a job stopped mid-epoch left its last.pt
-    on rank 0's disk only. Started again, both ranks stop before training, with one
+def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(
+    tmp_path, monkeypatch, multi30k_env
+):
+    """Two machines without a shared filesystem: a job stopped in its second epoch left its
+    last.pt on rank 0's disk only. Started again, both ranks stop before training, with one
     CheckpointError that names the cure, rather than rank 0 resuming, rank 1 starting
     afresh and the job hanging."""
-    fields = dataclasses.asdict(dataclasses.replace(TINY, checkpoint_steps=2))
-    first = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120, fail_at=3)
-    assert "stopped on purpose at step 3" in str(first)
+    fields = dataclasses.asdict(TINY)
+    stop = rank_steps_per_epoch(prepared_data(TINY, tmp_path / "x", monkeypatch), TINY) + 1
+    first = stopping_jobs.spawn_on_separate_machines(fields, tmp_path, 120, fail_at=stop)
+    assert f"stopped on purpose at step {stop}" in str(first)
     (last,) = stopping_jobs.machine_folder(tmp_path, 0).glob("checkpoints/*/last.pt")
     written = last.read_bytes()
     second = stopping_jobs.machine_folder(tmp_path, 1)
@@ -248,7 +257,7 @@ def test_ranks_that_see_different_checkpoints_stop_at_the_start_and_say_why(tmp_
 @pytest.mark.slow
 def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k_env):
     smoke = at.get_settings("smoke")
-    data = prepared_data(smoke, tmp_path, monkeypatch)  # the ranks read its caches
+    data = prepared_data(smoke, tmp_path, monkeypatch)
     result = subprocess.run(
         [
             sys.executable,
@@ -272,22 +281,22 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
 
 
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
-    """A last.pt holds one position and one set of random states per process: a run on
-    another number of processes would resume from the wrong ones, so it stops in one line."""
+    """A last.pt holds one set of random states per process: a run on another number of
+    processes would resume from the wrong ones, so it stops in one line."""
     settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=1)
-    model = at.model_for(settings, tiny_data().vocabs)
 
-    def resumed_on(world_size: int) -> tuple:
-        run = trainer.start(settings, tmp_path, model, None, world_size=world_size)
-        optimizer, schedule = at.make_optimizer(model, settings, total_steps=run.planned_steps)
-        return run.resume(model, optimizer, schedule, at.TrainState()), run
+    def kept() -> dict:
+        model = at.model_for(settings, tiny_data().vocabs)
+        optimizer, schedule = at.make_optimizer(model, settings)
+        return {"model": model, "optimizer": optimizer, "schedule": schedule,
+                "state": at.TrainState()}  # fmt: skip
 
-    state, run = resumed_on(1)
-    state.step = 3
-    run.save()
-    assert (tmp_path / "last.pt").is_file()
+    written = kept()
+    written["state"].step = 3
+    trainer.save_last(tmp_path, written, [{"epoch": 0}])
     with pytest.raises(CheckpointError, match=r"on 1 process\(es\), not 2: resume with as many"):
-        resumed_on(2)
+        trainer.load_last(tmp_path, kept(), world_size=2)
     capsys.readouterr()
-    state, _ = resumed_on(1)  # the same count resumes
-    assert state.step == 3 and "resuming from" in capsys.readouterr().out
+    again = kept()
+    assert trainer.load_last(tmp_path, again, world_size=1) == [{"epoch": 0}]  # as many
+    assert again["state"].step == 3 and "going on after epoch 0, step 3" in capsys.readouterr().out

@@ -14,28 +14,6 @@ import torch
 import plumbing
 
 
-def test_cached_json_computes_once_then_reads(tmp_path):
-    value, calls = {"de": [["Ein", "Hund"]], "en": [["A", "dog"]]}, []
-
-    def compute():
-        calls.append(1)
-        return value
-
-    for name in ("cache.json.gz", "cache.json"):  # gzipped and plain
-        path = tmp_path / name
-        assert plumbing.cached_json(path, compute) == value and path.is_file()
-        assert plumbing.cached_json(path, compute) == value
-    assert len(calls) == 2  # once per file
-
-
-def test_a_damaged_cache_is_computed_again_with_a_message(tmp_path, capsys):
-    path = tmp_path / "cache.json.gz"
-    path.write_bytes(b"not gzip")
-    assert plumbing.cached_json(path, lambda: [1, 2]) == [1, 2]
-    assert "is damaged; computing it again" in capsys.readouterr().out
-    assert plumbing.cached_json(path, lambda: [3]) == [1, 2]  # the repaired cache is used
-
-
 def test_fingerprint_changes_with_any_part_of_the_value():
     base = plumbing.fingerprint([["a", "b"], 2])
     assert base == plumbing.fingerprint([["a", "b"], 2]) and len(base) == 16

@@ -71,7 +71,7 @@ def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkey
     manifest = json.loads((edited_folder / "manifest.json").read_text())
     assert set(manifest) == {"preset", "settings", "data", "code", "torch", "python"}
     assert "attention" in manifest["code"] and "run_epoch" in manifest["code"]
-    assert "trainer.start" in manifest["code"] and "trainer.save_checkpoint" in manifest["code"]
+    assert "trainer.save_last" in manifest["code"] and "trainer.save_checkpoint" in manifest["code"]
 
 
 @pytest.mark.slow
@@ -162,16 +162,59 @@ def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
 def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
     quick_data, tmp_path, monkeypatch
 ):
-    """trainer.Run sums the epoch's loss with plumbing.sum_over_ranks: its code counts."""
+    """trainer.save_last gathers every rank's random states with plumbing.gather_from_ranks:
+    its code counts."""
     unedited = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     path = inspect.getsourcefile(plumbing)
     text = (ROOT / "plumbing.py").read_text(encoding="utf-8")
-    line = "    torch.distributed.all_reduce(total)\n"
+    line = "    torch.distributed.all_gather_object(values, value)\n"
     assert text.count(line) == 1
-    edited_text = text.replace(line, "    torch.distributed.all_reduce(total, async_op=False)\n")
+    edited_text = text.replace(line, "    torch.distributed.all_gather_object(values, obj=value)\n")
     lines = edited_text.splitlines(keepends=True)  # as many lines: the others stay in place
     monkeypatch.setitem(linecache.cache, path, (len(edited_text), None, lines, path))
     assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) != unedited
+
+
+# --- every edit on the data path reaches the data ----------------------------------------
+
+SUBWORDS = dataclasses.replace(SETTINGS, bpe_merges=200)  # a quick joint sub-word vocabulary
+
+
+@pytest.mark.parametrize(
+    "old, new, settings",
+    [
+        # tokenizing: every token lower-cased
+        ("        lang: [[t.text for t in doc] for doc in tokenizers[lang].pipe(side)]\n",
+         "        lang: [[t.text.lower() for t in doc] for doc in tokenizers[lang].pipe(side)]\n",
+         SETTINGS),
+        # building a vocabulary: a word must be seen more often than min_freq
+        ("        (t for t, c in counts.items() if c >= min_freq and t not in SPECIALS),\n",
+         "        (t for t, c in counts.items() if c > min_freq and t not in SPECIALS),\n",
+         SETTINGS),
+        # learning the merges: half as many
+        ("learned, merges, is_dict=True)\n", "learned, merges // 2, is_dict=True)\n", SUBWORDS),
+    ],
+    ids=["tokenize_pairs", "build_vocab", "learned_merges"],
+)  # fmt: skip
+def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
+    quick_data, tmp_path, monkeypatch, old, new, settings
+):
+    """No cache on disk stands between an edited cell and the data: prepare_data, run
+    again as a student would, builds the data with the edit, in a new run's folder."""
+    before = lesson_copy(monkeypatch)["prepare_data"](settings, tmp_path)
+    unedited = trainer.run_folder(settings, before, lesson_copy(monkeypatch), tmp_path)
+    namespace = edited(monkeypatch, old, new)
+    after = namespace["prepare_data"](settings, tmp_path)  # the same data folder: no cache
+    words = [t for t in after.vocabs["en"].itos if t not in at.SPECIALS]
+    if "lower" in new:
+        assert all(w == w.lower() for w in words)
+        assert any(w != w.lower() for w in before.vocabs["en"].itos[4:])
+    elif "min_freq and" in new:
+        assert set(words) < set(before.vocabs["en"].itos)
+    else:
+        assert len(after.vocabs["en"].merges) == 100 < len(before.vocabs["en"].merges)
+    assert after.train != before.train
+    assert trainer.run_folder(settings, after, namespace, tmp_path) != unedited
 
 
 @pytest.mark.slow
@@ -209,7 +252,7 @@ def test_a_folder_is_named_by_its_preset_and_the_settings_that_shape_training(qu
     folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     name, _, key = folder.name.rpartition("-")
     assert folder.parent == tmp_path / "checkpoints" and name == "smoke" and len(key) == 8
-    same = {"beam_size": 9, "length_penalty": 0.1, "checkpoint_steps": 3}
+    same = {"beam_size": 9, "length_penalty": 0.1}
     assert (
         trainer.run_folder(dataclasses.replace(SETTINGS, **same), quick_data, vars(at), tmp_path)
         == folder
@@ -257,7 +300,7 @@ def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp
         assert record["settings"] == dataclasses.asdict(SETTINGS)
         assert record["history"] == read_checkpoint(folder / "final.pt")["history"]
         assert record["epochs"] == SETTINGS.epochs and record["test_bleu"] == 1.0
-        assert record["run_folder"] == str(folder) and record["plan"]["epochs"] == 1
+        assert record["run_folder"] == str(folder) and record["steps"] == h[-1]["step"] > 0
         assert record["parameters"] == at.count_parameters(m)
 
 
@@ -348,7 +391,8 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, 
     weights = at.model_for(wider if other == "wider" else SETTINGS, quick_data.vocabs).state_dict()
     if other == "missing keys":
         weights = {k: v for k, v in weights.items() if "generator" not in k}
-    plumbing.save_checkpoint(folder / "final.pt", model=weights, history=[])
+    made_of = trainer.made_of(folder)  # the file says it belongs here: only its shapes differ
+    plumbing.save_checkpoint(folder / "final.pt", model=weights, history=[], made_of=made_of)
     before = (folder / "final.pt").read_bytes()
     with pytest.raises(CheckpointError) as error:
         trainer.load_final(folder, at.model_for(SETTINGS, quick_data.vocabs))

@@ -5,12 +5,10 @@
     .venv/bin/python tools/bench.py --compile   # also our model under torch.compile
 
 It measures what `make run` does, with the notebook's functions from its `.py` twin.
-Training runs in the precision that the run's own calibration picks
-(`trainer.choose_precision`: bf16 on a CPU where it pays off, with the preset's settings),
-with the run's loss, through the notebook's `at.run_epoch`, which clips and steps as a run
-does; decoding loads the run's final checkpoint from its folder (`trainer.run_folder`) and
-goes through the run's own `at.evaluate_test`, with the preset's beam size and length
-penalty.
+Training runs in the preset's precision (or --precision), with the run's loss, through
+the notebook's `at.run_epoch`, which clips and steps as a run does; decoding loads the
+run's final checkpoint from its folder (`trainer.run_folder`) and goes through the run's
+own `at.evaluate_test`, with the preset's beam size and length penalty.
 
 Four comparisons, each measured side by side in one run because machines are noisy:
 warm-up excluded, the median of several repeats, the two contenders interleaved.
@@ -91,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--precision",
         choices=sorted(DTYPES),
-        help="train in this precision (default: the one `make run`'s calibration picks; "
+        help="train in this precision (default: the preset's; "
         "bf16 on a CPU without bf16 instructions is very slow)",
     )
     parser.add_argument(
@@ -137,23 +135,6 @@ def run_loss(settings: at.Settings, data: at.Multi30k) -> nn.Module:
     """The label-smoothed loss that the notebook's `train` builds."""
     en = data.vocabs["en"]
     return at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-
-
-# 0. The precision that `make run` trains in
-
-
-def calibrate_precision(settings: at.Settings, data: at.Multi30k, device) -> dict:
-    """The precision `make run` would train in, picked as it picks it.
-
-    trainer.choose_precision on a fresh model of the preset and its first validation
-    batch (the notebook's `train` calibrates on those): bf16 where the preset says
-    "auto" and bf16 pays off here, else float32. Returns the choice and why.
-    """
-    at.set_seed(settings.seed)
-    model = at.model_for(settings, data.vocabs).to(device)
-    first = at.batches_for(data.val, data.vocabs["en"].pad_id, settings, device)[0]
-    precision, why = trainer.choose_precision(settings, device, model, first)
-    return {"precision": precision, "calibration": why}
 
 
 # 1. Our model against torch.nn.Transformer
@@ -416,8 +397,8 @@ def utilisation(models: dict, matmul: dict) -> dict:
 
 
 def training_text(data: at.Multi30k, data_dir: Path, tokenizers: dict):
-    """Raw text and (cached) spaCy tokens of the preset's training pairs."""
-    return data.train_text, at.cached_tokens("train", data.train_text, tokenizers, data_dir)
+    """Raw text and spaCy tokens of the preset's training pairs."""
+    return data.train_text, at.tokenize_pairs(data.train_text, tokenizers)
 
 
 def race_pairs(settings, text, tokens, vocabs, sizes: Sizes) -> dict:
@@ -768,7 +749,7 @@ def goal_rows(report: dict, device: torch.device) -> list[tuple]:
 
 def precision_source(report: dict) -> str:
     """Where the training precision came from, in a few words."""
-    return "--precision" if report["precision_forced"] else "as make run picks it"
+    return "--precision" if report["precision_forced"] else "the preset's, as make run trains"
 
 
 def decoding_rows(dec: dict) -> list[tuple]:
@@ -826,20 +807,11 @@ def summary(report: dict) -> dict:
 
 
 def training_precision(args, settings, data, device) -> dict:
-    """The precision of every training figure: --precision, else what a run would pick."""
-    if args.precision:
-        return {
-            "precision": args.precision,
-            "precision_forced": True,
-            "precision_calibration": None,
-        }
-    chosen = calibrate_precision(settings, data, device)
-    if chosen["calibration"]:
-        print(chosen["calibration"])
+    """The precision of every training figure: --precision, else the preset's."""
     return {
-        "precision": chosen["precision"],
-        "precision_forced": False,
-        "precision_calibration": chosen["calibration"],
+        "precision": args.precision or settings.precision,
+        "precision_forced": bool(args.precision),
+        "precision_calibration": None if args.precision else "the preset's setting",
     }
 
 

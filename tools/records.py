@@ -95,9 +95,10 @@ def sentence(text: str) -> str:
 
 
 def made(record: dict) -> str:
-    """When the run's plan was made ('2026-11-25 05:55'); '' when the record has no plan,
-    which sorts it before every run that has one (the oldest records predate plans)."""
-    return (record.get("plan") or {}).get("made", "")
+    """When the run was made ('2026-11-25 05:55'): its own "made", else when its plan was
+    made; '' when the record has neither, which sorts it before every run that has one
+    (the oldest records predate plans; runs of a fixed number of epochs have no plan)."""
+    return record.get("made") or (record.get("plan") or {}).get("made", "")
 
 
 def make_runs(records: list[dict], preset: str | None = None) -> list[dict]:

@@ -50,10 +50,10 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     )
     try:
         if rank == 0:
-            data = twin.prepare_data(settings, Path(data_dir))  # rank 0 builds the caches
+            data = twin.prepare_data(settings, Path(data_dir))  # rank 0 downloads what is missing
         dist.barrier()
         if rank != 0:
-            data = twin.prepare_data(settings, Path(data_dir))  # the others read them
+            data = twin.prepare_data(settings, Path(data_dir))
         folder = trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
         processes = twin.DDPProcesses(rank=rank, world_size=world_size)
         twin.train(settings, data, folder, device=device, processes=processes)

@@ -85,13 +85,8 @@ def main() -> None:
     model, history = finished or at.train(settings, data, folder, device=device)
     minutes = (time.perf_counter() - start) / 60
     model.eval()
-    beam = at.translate(
-        model,
-        [src for src, _ in data.val],
-        data.vocabs,
-        beam_size=settings.beam_size,
-        alpha=settings.length_penalty,
-    )
+    search = at.beam_searcher(settings.beam_size, settings.length_penalty)
+    beam = at.translate(model, [src for src, _ in data.val], data.vocabs, search=search)
     references = [en for _, en in data.val_text]
     beam_bleu = at.bleu_scores(beam, references, at.english_tokens(references))["bleu"]
     record = {
@@ -101,9 +96,8 @@ def main() -> None:
         "val_loss": [round(h["val_loss"], 3) for h in history],
         "averaged": history[-1].get("averaged"),
         "final_val_bleu_beam": round(beam_bleu, 2),
-        "precision": history[-1]["precision"],
+        "precision": settings.precision,
         "epochs": len(history),
-        "plan": history[-1].get("plan"),  # None unless train_minutes planned the run
         "train_minutes": round(sum(h["seconds"] for h in history) / 60, 1),
         "minutes": round(minutes, 1),
         "torch_threads": torch.get_num_threads(),
