@@ -1583,7 +1583,7 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 #
 # A toy task isolates the machinery: the model sees random digits and must output them
 # unchanged. It uses every piece the translator will use: the model, the masks, the
-# loss, the schedule and `run_epoch`. A working Transformer learns it in 600 small steps;
+# loss, the schedule and `run_epoch`. A working Transformer learns it in 400 small steps;
 # a bug in masks, shifting or the loss shows at once. Its ids:
 #
 # * padding 0, start 1, end 2;
@@ -1621,7 +1621,7 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 # * two layers of width 64, with four heads and a feed-forward width of 128, and no
 #   dropout;
 # * Adam with a 100-step warm-up, then `linear_rate`'s line to zero (the paper's decay
-#   would still be at two fifths of its peak after 600 steps);
+#   would still be at half its peak after 400 steps);
 # * no label smoothing, as a copy has one right answer;
 # * accumulation over two micro-batches, to exercise it.
 #
@@ -1632,7 +1632,7 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 
 # %%
 def train_copy_task(
-    epochs: int = 30,
+    epochs: int = 20,
     batches_per_epoch: int = 40,
     seed: int = SEED,
     *,
@@ -1666,7 +1666,7 @@ def train_copy_task(
 # all must come back unchanged.
 # Decoding feeds the model its own outputs, as translation does, so one wrong digit
 # derails the rest. Re-run this cell after any change to Parts 1 or 2: it catches in
-# 600 small steps what the Multi30k run would show only after its training.
+# 400 small steps what the Multi30k run would show only after its training.
 
 # %% active="ipynb"
 # copy_model = train_copy_task()
@@ -2800,8 +2800,7 @@ class CachedPrefix(FullPrefix):
 #
 # Everything that shapes what is learned is a setting, fixed and printed before the first
 # step: the model's size, the number of epochs, the rate and where it ends, the precision.
-# Nothing is decided by a clock, so every machine trains the same translator; a slower
-# one only takes longer.
+# So every machine trains the same translator; a slower one only takes longer.
 #
 # ### The presets
 #
@@ -2821,10 +2820,10 @@ class CachedPrefix(FullPrefix):
 #
 # The table puts them side by side. Every field, with its reason, is in
 # [presets.py](presets.py). On a slow machine, train fewer epochs:
-# `dataclasses.replace(settings, epochs=6)` takes about half the time and, in our runs,
-# about 3 BLEU ([the records](results/README.md)). A changed `train_pairs`,
-# `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the data: run
-# `prepare_data` again (Part 4).
+# `dataclasses.replace(settings, epochs=6)` trains in half the time, for 4 points less
+# validation BLEU (31.9 against 36.3, [the records](results/README.md)). A changed
+# `train_pairs`, `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the
+# data: run `prepare_data` again (Part 4).
 
 # %% active="ipynb"
 # preset_table = pd.DataFrame({name: dataclasses.asdict(p) for name, p in PRESETS.items()})
@@ -2908,8 +2907,8 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 
 
 # %% [markdown]
-# After each epoch, `validate` measures the validation loss and, in one process, greedy
-# BLEU and the three sentences of [Watch it learn](#Watch-it-learn).
+# `validate` measures the validation loss and, in one process, greedy BLEU and [the three
+# watched sentences](#Watch-it-learn).
 # `average_last_epochs` loads the mean of the last epochs' weights into the model (§6.1)
 # and scores it the same way.
 
@@ -2936,7 +2935,7 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 
 # %% [markdown]
 # The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
-# schedule, the step counter and the history, a record per epoch. All of it goes into
+# schedule, the step counter and the history. All of it goes into
 # `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on, drawing
 # the same random numbers as a run never stopped.
 
@@ -2982,7 +2981,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # model beside the old one; an edit off it, such as to beam search, keeps it.
 # `retrain=True` trains afresh, moving the old run aside.
 #
-# The cell first prints the epochs, the precision, the steps and where the rate ends.
+# It first prints the epochs, precision, steps and where the rate ends.
 # With the cpu preset it trains for 10 to 25 minutes, by the machine: read on meanwhile.
 
 # %% active="ipynb"
@@ -3080,7 +3079,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # ### What matters in a short run
 #
 # *Optional: how the cpu preset's choices were made.* The paper trained its base model
-# for 100,000 steps of about 25,000 target tokens; the cpu preset gets a few thousand
+# for 100,000 steps of about 25,000 target tokens; the cpu preset gets 3,443
 # steps of about 1,300 on two cores, in 11 epochs. Its
 # choices were compared on the validation split, never on the test set ([the
 # records](results/README.md)), most on an earlier, wider preset; a second seed alone
@@ -3888,8 +3887,9 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #
 # One optimizer step trains on $W$ ranks' batches, so the schedule moves $W$ steps at once.
 #
-# Only rank 0 translates the validation set after each epoch. Part 6's loop does not
-# change: `DDPProcesses`, below, stands in for `Processes`.
+# Only rank 0 translates the validation set after each epoch, and writes the checkpoints,
+# with every rank's random states. Part 6's loop does not change: `DDPProcesses`, below,
+# stands in for `Processes`.
 
 
 # %%

@@ -193,7 +193,9 @@ def epoch_line(record: dict) -> str:
     """The one line printed after each epoch."""
     line = f"epoch {record['epoch']}: train loss {record['train_loss']:.3f}, "
     line += f"val loss {record['val_loss']:.3f}, val BLEU {record['val_bleu']:.1f}, "
-    line += f"{record['tokens'] / record['seconds']:,.0f} target tokens/s"
+    line += (
+        f"{record['seconds']:.0f} s, {record['tokens'] / record['seconds']:,.0f} target tokens/s"
+    )
     return line + (f"\n{gpu_report()}" if torch.cuda.is_available() else "")
 
 

@@ -108,9 +108,14 @@ def make_runs(records: list[dict], preset: str | None = None) -> list[dict]:
 
 
 def newest_run(records: list[dict], preset: str) -> dict | None:
-    """The newest `make run` of a preset that used every core (no OMP_NUM_THREADS in its
-    command: those runs stand in for a slower CPU). README.md shows this one."""
-    runs = [r for r in make_runs(records, preset) if "OMP_NUM_THREADS" not in r["command"]]
+    """The newest `make run` of a preset as committed, on every core: no OMP_NUM_THREADS in
+    its command (those runs stand in for a slower CPU) and no edit of presets.py (a second
+    seed). README.md shows this one."""
+    runs = [
+        r
+        for r in make_runs(records, preset)
+        if "OMP_NUM_THREADS" not in r["command"] and "presets.py" not in r["command"]
+    ]
     return runs[0] if runs else None
 
 
@@ -316,12 +321,13 @@ def make_run_section(records: list[dict]) -> str:
     parts = [
         "## make run records",
         "",
-        "One row per recorded `make run`, newest first (by the time its plan was made; a "
-        "record without a plan is older than any with one). **(newest)** marks the newest "
+        "One row per recorded `make run`, newest first (by when it was made, or its plan was; "
+        "a record with neither is older than any with one). **(newest)** marks the newest "
         "run of the current `cpu` preset on all its cores: the one README.md quotes. "
         "*Settings changed*: the settings in which the run differs from that newest run "
-        "(`—`: the record has no such setting). *Plan*: the epochs planned to the clock "
-        "before training, then after each re-plan. *Training*: seconds of training. "
+        "(`—`: the record has no such setting). *Plan*: for the older runs planned to the "
+        "clock, the epochs planned before training, then after each re-plan (`—`: a fixed "
+        "number of epochs). *Training*: seconds of training. "
         "*Target tokens/s*: English tokens trained a second. *Val BLEU*: greedy, on the "
         "validation split, of the model that was scored (averaged where the run averaged). "
         "*Test BLEU*: sacreBLEU on test2016, greedy and with beam search.",
@@ -426,7 +432,9 @@ def epyc_section(record: dict, heading: str) -> str:
                 f"{run['parameters']:,}" if run.get("parameters") else "",
                 epochs,
                 num(run.get("training_minutes")),
-                f"{run['planned_tokens_per_second']:,}",
+                f"{run['planned_tokens_per_second']:,}"
+                if run.get("planned_tokens_per_second")
+                else "",
                 f"{mean(speeds):,.0f}" if speeds else "",
                 num(run.get("val_bleu_greedy_last_epoch"), 2),
                 num(run.get("val_bleu_greedy_averaged"), 2),
