@@ -41,7 +41,7 @@ REPO_URL = "https://github.com/OWNER/annotated-transformer"
 # Every third-party module that the notebook and its modules import is in one of these
 # two (a test checks): what Colab's runtime ships (googlecolab/backend-info,
 # pip-freeze.txt, August 2026), and what this cell installs, pinned as requirements.txt.
-COLAB_SHIPS = {"altair", "IPython", "numpy", "pandas", "spacy", "torch", "tqdm"}
+COLAB_SHIPS = {"altair", "IPython", "numpy", "pandas", "spacy", "torch"}
 COLAB_NEEDS = {
     "sacrebleu": "sacrebleu==2.6.0",
     "sacremoses": "sacremoses==0.2.0",
@@ -1203,7 +1203,7 @@ class FastLabelSmoothing(LabelSmoothing):
 #
 # The paper's rate was still a fifth of its peak at its last step, 100,000. A short run
 # should end small, so we add a second shape: the same warm-up and peak, then a straight
-# fall to zero at the run's last step, drawn in [What matters in a short
+# fall to zero just after the run's last step, drawn in [What matters in a short
 # run](#What-matters-in-a-short-run).
 
 
@@ -1818,7 +1818,7 @@ import spacy
 import subword_nmt.apply_bpe
 import subword_nmt.learn_bpe
 
-from plumbing import DataError, load_pairs, write_atomically  # noqa: F401 (as json)
+from plumbing import DataError, load_pairs, write_atomically  # noqa: F401 (as json above)
 
 # downloads and checkpoints (the tests point it into build/smoke/)
 DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
@@ -1826,7 +1826,7 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
 # One line of plumbing makes the C library keep large freed blocks for reuse, so CPU
-# training asks for memory less often (plumbing.py says by how much).
+# training asks for memory less often (plumbing.py gives the speed-up).
 
 # %% active="ipynb"
 # from plumbing import prepare_cpu_memory
@@ -1977,7 +1977,8 @@ def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
 # ### Sub-words (§5.1)
 #
 # *Optional: no preset uses sub-words* (`bpe_merges=0` in presets.py).
-# The next nine code cells build BPE from scratch: skim them, but run them.
+# The next nine code cells are about BPE, the first four from scratch: skim them, but run
+# them.
 #
 # A word vocabulary turns rare and new words into `<unk>`: "Quantencomputer" has no id,
 # though it is plainly "Quanten" + "computer". The paper encoded its sentences "using
@@ -2795,12 +2796,13 @@ class CachedPrefix(FullPrefix):
 # translator trains with the same loop and three additions that a real run needs:
 #
 # * after each epoch, the validation loss and BLEU, and three sentences to watch;
-# * a checkpoint at each epoch's end, so that a stopped run goes on where it stopped;
+# * a checkpoint at each epoch's end, so that a stopped run goes on from there;
 # * optionally, the average of the last epochs' weights, as the paper did (§6.1).
 #
-# Everything that shapes what is learned is a setting, fixed and printed before the first
-# step: the model's size, the number of epochs, the rate and where it ends, the precision.
-# So every machine trains the same translator; a slower one only takes longer.
+# Everything that shapes what is learned is a setting, fixed before the first step and
+# shown in the table below: the model's size, the number of epochs, the rate and where it
+# ends, the precision. So every machine follows the same recipe; a slower one only takes
+# longer.
 #
 # ### The presets
 #
@@ -2809,7 +2811,7 @@ class CachedPrefix(FullPrefix):
 # * smoke is a toy, one layer of width 32, that shows every piece runs, in minutes; the
 #   tests use it.
 # * cpu trains 3.1 million parameters for 11 epochs: four layers of width 128 and 4
-#   heads, in float32, so every CPU trains the same translator. Its other choices were
+#   heads, in float32, so every CPU follows the same recipe. Its other choices were
 #   weighed on the validation split ([What matters in a short
 #   run](#What-matters-in-a-short-run)): pre-norm layers, small batches, word
 #   vocabularies, no averaging, and $\alpha = 1$ in beam search (Part 7).
@@ -2820,7 +2822,7 @@ class CachedPrefix(FullPrefix):
 #
 # The table puts them side by side. Every field, with its reason, is in
 # [presets.py](presets.py). On a slow machine, train fewer epochs:
-# `dataclasses.replace(settings, epochs=6)` trains in half the time, for 4 points less
+# `dataclasses.replace(settings, epochs=6)` trains in half the time, for 4.4 points less
 # validation BLEU (31.9 against 36.3, [the records](results/README.md)). A changed
 # `train_pairs`, `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the
 # data: run `prepare_data` again (Part 4).
@@ -2907,8 +2909,8 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 
 
 # %% [markdown]
-# `validate` measures the validation loss and, in one process, greedy BLEU and [the three
-# watched sentences](#Watch-it-learn).
+# `validate` measures the validation loss and, on rank 0 alone, greedy BLEU and
+# [the three watched sentences](#Watch-it-learn).
 # `average_last_epochs` loads the mean of the last epochs' weights into the model (§6.1)
 # and scores it the same way.
 
@@ -2954,15 +2956,15 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     history = trainer.load_last(folder, kept, rank=rank, world_size=processes.world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, state=state)
+    scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
         batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
         began = time.perf_counter()
         train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule,
                                      autocast=autocast, **options)  # fmt: skip
         record = {"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - began,
-                  "tokens": sum(b.ntokens for b in batches), "step": state.step,
+                  "tokens": sum(b.ntokens for b in batches), "step": schedule.last_epoch,
                   "rate": schedule.get_last_lr()[0]}  # fmt: skip
-        scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
         history = [*history, record | scores(rank=rank)]
         if rank == 0:
             print(trainer.epoch_line(history[-1]))
@@ -2982,15 +2984,15 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # `retrain=True` trains afresh, moving the old run aside.
 #
 # It first prints the epochs, precision, steps and where the rate ends.
-# With the cpu preset it trains for 10 to 25 minutes, by the machine: read on meanwhile.
+# With the cpu preset it trains for about 15 minutes on two cores: read on meanwhile.
 
 # %% active="ipynb"
 # device = pick_device()
 # folder = trainer.run_folder(settings, data, globals(), DATA_DIR, retrain=False)
 # run_steps = total_steps(data.train, settings)
-# end = "at zero after the last" if settings.schedule == "linear" else "never"
-# print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps,")
-# print(f"the rate at its peak after step {settings.warmup:,} and {end}")
+# end = "reaches zero after the last" if settings.schedule == "linear" else "never reaches zero"
+# print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps;")
+# print(f"the rate peaks after step {settings.warmup:,} and {end}")
 # finished = trainer.load_final(folder, model_for(settings, data.vocabs).to(device))
 # model, history = finished or train(settings, data, folder, device=device)
 # print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
@@ -3849,7 +3851,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
-# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 10 to 25 minutes.
+# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, about 15 minutes.
 # * **Model**: N = 6, $d_{\text{model}}$ = 512, post-norm. Here: smaller, pre-norm.
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #

@@ -87,6 +87,19 @@ def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
     assert watched == [h["watched"] for h in straight_history]
 
 
+@pytest.mark.slow
+def test_a_run_stopped_after_its_last_epoch_averages_when_run_again(quick_data, tmp_path):
+    """Stopped between the last epoch's last.pt and the averaging: the rerun trains no epoch
+    and still averages and scores, as an uninterrupted run does."""
+    settings = dataclasses.replace(TWO_EPOCHS, average_last=2)
+    straight, straight_history, _ = train_as_the_notebook(settings, quick_data, tmp_path / "a")
+    with stopped_after_saving(epoch=1):
+        train_as_the_notebook(settings, quick_data, tmp_path / "b")
+    resumed, history, _ = train_as_the_notebook(settings, quick_data, tmp_path / "b")
+    assert_same_weights(straight, resumed)
+    assert history[-1]["averaged"] == straight_history[-1]["averaged"]
+
+
 def loop_objects(settings, vocabs) -> dict:
     """What train keeps in last.pt, fresh: the model, optimizer, schedule and state."""
     model = at.model_for(settings, vocabs)
