@@ -64,6 +64,15 @@ def worker(
     train_ddp.ddp_worker(rank, world_size, fields, data_dir, port)
 
 
+def fails_and_teardown_aborts(rank: int, world_size: int, fields: dict, data_dir: str, port):
+    """worker, every rank raising after step 3, in a process where leaving the process group
+    aborts (SIGABRT), as gloo's teardown once did when a peer had gone."""
+    import os
+
+    torch.distributed.destroy_process_group = lambda *_, **__: os.abort()
+    worker(rank, world_size, fields, data_dir, port, fail_at=3)
+
+
 def rank_1_fails_at_step_3(rank: int, world_size: int, fields: dict, data_dir: str, port) -> None:
     """A stand-in for train_ddp.ddp_worker, with its arguments, for train_ddp.train_distributed
     to start: rank 1 raises after optimizer step 3, rank 0 trains on as if nothing happened."""

@@ -191,6 +191,16 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     assert losses[0] == losses[1] and len(losses[0]) == settings.epochs
 
 
+@pytest.mark.slow
+def test_an_error_reaches_the_job_even_where_leaving_the_group_would_abort(tmp_path, multi30k_env):
+    """Both ranks raise after step 3, in processes where destroy_process_group aborts: the
+    job still reports their error, not a signal, because a rank that failed does not
+    leave the group before spawn has recorded its exception."""
+    args = (2, dataclasses.asdict(TINY), str(tmp_path), free_port())
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="on purpose at step 3"):
+        torch.multiprocessing.spawn(stopping_jobs.fails_and_teardown_aborts, args=args, nprocs=2)
+
+
 def run_job(code: str, timeout: float, **env) -> subprocess.CompletedProcess:
     """Run `code` in a new Python process, in a session of its own: if it is still running
     after `timeout` seconds, kill it with every process it started, and fail."""

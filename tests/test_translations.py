@@ -25,6 +25,21 @@ def markdown(nb: dict) -> str:
     return "\n\n".join(tr.cell_source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
 
 
+def contents_index() -> int:
+    """The index of the contents cell (in both editions): the English one's "Contents"."""
+    english = tr.load(tr.ENGLISH)
+    return next(i for i, _, _, b in tr.walk(english) if b.heading and b.msgid == "Contents")
+
+
+def prose(nb: dict) -> str:
+    """The notebook's prose as a reader meets it: all the markdown but the contents (its link
+    texts are the headings, a test holds them so) and the images' alt text."""
+    skip = contents_index()
+    cells = [c for i, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown" and i != skip]
+    text = "\n\n".join(tr.cell_source(c) for c in cells)
+    return re.sub(r"!\[[^\]]*\]\([^)]*\)", "", text)
+
+
 def glossary() -> list[dict]:
     """The glossary's rows (its `#` lines are its header comment)."""
     lines = [line for line in GLOSSARY.read_text(encoding="utf-8").splitlines() if line[:1] != "#"]
@@ -99,11 +114,26 @@ def test_the_chinese_notebook_takes_an_english_runs_outputs_by_cell_id(tmp_path)
 
 
 def test_an_empty_catalogue_builds_the_english_notebook_byte_for_byte(tmp_path):
+    """All but the Colab badge's link, which opens the Chinese notebook (the next test)."""
     tr.make_pot(tr.load(tr.ENGLISH)).save(str(tmp_path / "empty.po"))
     english = tr.load(tr.ENGLISH)
     built = json.loads(tr.build_text(tr.ENGLISH, tmp_path / "empty.po"))
-    assert built["cells"] == english["cells"]
+    pairs = zip(english["cells"], built["cells"], strict=True)
+    assert [i for i, (en, zh) in enumerate(pairs) if en != zh] == [0]
+    badge = english["cells"][0]
+    assert built["cells"][0] == {
+        **badge,
+        "source": tr.source_lines(tr.COLAB.sub(r"\1" + tr.CHINESE.name, tr.cell_source(badge))),
+    }
     assert tr.dump(english) == tr.ENGLISH.read_text(encoding="utf-8")  # the file's own format
+
+
+def test_the_colab_badge_opens_the_notebook_it_sits_in():
+    """The English badge opens the English notebook; the Chinese badge, the Chinese one."""
+    for path, name in [(tr.ENGLISH, "annotated_transformer.ipynb"), (tr.CHINESE, tr.CHINESE.name)]:
+        text = markdown(tr.load(path))
+        urls = re.findall(r"https://colab\.research\.google\.com/github/\S+\.ipynb", text)
+        assert urls and all(url.endswith("/blob/main/" + name) for url in urls), (path, urls)
 
 
 def test_each_block_of_a_translated_notebook_is_its_translation(fully_translated):
@@ -148,6 +178,13 @@ def test_the_check_finds_lost_formulas_links_and_html():
         "links",
         "html",
     ]
+    # a rendering under a quotation may repeat its formulas, but not drop, change or add one
+    quote = '"the model $d_{\\text{model}}$ and $h$"'
+    same = quote + "（译：模型 $d_{\\text{model}}$ 与 $h$）"
+    assert tr.lost_markup(quote, same) == []
+    assert tr.lost_markup(quote, quote + "（译：模型 $d_{model}$ 与 $h$）") == ["math"]
+    assert tr.lost_markup(quote, same + " $k$") == ["math"]
+    assert tr.lost_markup(quote, "模型 $h$") == ["math"]
 
 
 def test_every_translation_keeps_its_formulas_links_and_html():
@@ -173,19 +210,86 @@ def test_the_glossary_terms_are_english_terms_of_the_notebook():
 
 def test_the_glossary_terms_are_used():
     """The gate for terms: each Chinese term appears, at its first use with the English in
-    parentheses; no refused rendering appears anywhere."""
-    prose = markdown(tr.load(tr.CHINESE))
+    parentheses; no refused rendering appears anywhere (one that is part of the chosen
+    term, as 词级词表 is of 单词级词表, only outside it)."""
+    text = prose(tr.load(tr.CHINESE))
     missing, unexplained, refused = [], [], []
     for row in glossary():
         chinese, english = row["chinese"], row["english"]
-        if chinese not in prose:
+        if chinese not in text:
             missing.append(chinese)
         elif chinese != english:
-            after = prose[prose.index(chinese) : prose.index(chinese) + len(chinese) + 40]
+            after = text[text.index(chinese) : text.index(chinese) + len(chinese) + 40]
             if not re.search(r"[（(][^）)]*" + re.escape(english.split()[0]), after, re.I):
                 unexplained.append(chinese)
-        refused += [alt for alt in row["refuse"].split("|") if alt and alt in prose]
+        for alt in filter(None, row["refuse"].split("|")):
+            if alt in (text.replace(chinese, "") if alt in chinese else text):
+                refused.append(alt)
     assert (missing, unexplained, refused) == ([], [], [])
+
+
+def test_the_english_of_a_glossary_term_is_given_once():
+    """Say a thing once: a term's English follows it in parentheses at its first use, and
+    nowhere after ("微批量（micro-batch）" once, then 微批量)."""
+    text = prose(tr.load(tr.CHINESE))
+    repeated = {}
+    for row in glossary():
+        if row["chinese"] != row["english"]:
+            gloss = r"[（(]" + re.escape(row["english"]) + r"(?:s|es)?[，,）)]"
+            if len(re.findall(gloss, text, re.I)) > 1:
+                repeated[row["english"]] = len(re.findall(gloss, text, re.I))
+    assert repeated == {}
+
+
+def test_the_contents_link_texts_are_the_headings_they_point_to():
+    """Each link of the Chinese contents reads as the heading it leads to, without the
+    heading's "第 N 部分：" and without the English that a heading gives a term at its first
+    use (the contents say it once more in Chinese only)."""
+    nb = tr.load(tr.CHINESE)
+    text = tr.cell_source(nb["cells"][contents_index()])
+    definitions = dict(re.findall(r"^ {0,3}\[([^\]]+)\]:\s*#(\S+)", text, re.MULTILINE))
+    links = re.findall(r"\[([^\]]+)\]\(#([^)\s]+)\)", text)
+    links += [
+        (label, definitions[ref]) for label, ref in re.findall(r"\[([^\]]+)\]\[([^\]]+)\]", text)
+    ]
+    headings = {}
+    for _, _, _, block in tr.walk(nb):
+        if block.heading:
+            name = re.sub(r"<a id=[^>]*></a>$", "", block.msgid)
+            for target in [
+                tr.anchor(block.msgid),
+                *re.findall(r'<a id="([^"]+)"></a>', block.msgid),
+            ]:
+                headings[target] = name
+    assert len(links) == 12  # Prelims, Background and the ten parts
+    differ = []
+    for label, target in links:
+        heading = re.sub(r"^第 \d+ 部分：", "", headings[target])
+        heading = re.sub(r"（[A-Za-z][^（）\u4e00-\u9fff]*）", "", heading)  # an English gloss
+        if label != heading:
+            differ.append((label, headings[target]))
+    assert differ == []
+
+
+@pytest.mark.parametrize("path", [tr.ENGLISH, tr.CHINESE], ids=["English", "Chinese"])
+def test_part_4s_steps_are_named_as_their_sections(path):
+    """Part 4's list "from files to batches" names each section by its heading's start
+    (*Batching* for "Batching by length …"; in Chinese *分批* for "分批：…")."""
+    english = tr.load(tr.ENGLISH)
+    steps = next(i for i, _, _, b in tr.walk(english) if b.msgid == "From files to batches:")
+    nb = tr.load(path)
+    cell = tr.cell_source(nb["cells"][steps])
+    items = re.findall(r"^\d+\. (.*)$", cell, re.MULTILINE)
+    # each item starts with one name in italics, or two joined by "and" (*Vocabulary* and …)
+    names = [
+        name
+        for item in items
+        for name in re.match(r"\*([^*]+)\*(?:(?: and |和)\*([^*]+)\*)?", item).groups()
+        if name
+    ]
+    headings = [b.msgid for _, _, _, b in tr.walk(nb) if b.heading == "###"]
+    assert len(names) == 6
+    assert [n for n in names if not any(h.startswith(n) for h in headings)] == []
 
 
 @pytest.mark.skipif(

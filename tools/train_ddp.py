@@ -48,18 +48,20 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     dist.init_process_group(
         "nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world_size
     )
-    try:
-        if rank == 0:
-            data = twin.prepare_data(settings, Path(data_dir))  # rank 0 downloads what is missing
-        dist.barrier()
-        if rank != 0:
-            data = twin.prepare_data(settings, Path(data_dir))
-        folder = trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
-        processes = twin.DDPProcesses(rank=rank, world_size=world_size)
-        twin.train(settings, data, folder, device=device, processes=processes)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if rank == 0:
+        data = twin.prepare_data(settings, Path(data_dir))  # rank 0 downloads what is missing
+    dist.barrier()
+    if rank != 0:
+        data = twin.prepare_data(settings, Path(data_dir))
+    folder = trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+    processes = twin.DDPProcesses(rank=rank, world_size=world_size)
+    twin.train(settings, data, folder, device=device, processes=processes)
+    dist.barrier()  # every rank is done with the group before any leaves it
+    # Only a job that ended well leaves the group here (no `finally`). After an error, a
+    # peer may be gone, and tearing gloo down then can abort the process (SIGABRT) before
+    # spawn or torchrun has recorded the exception: the job would report a signal instead
+    # of the error. The process's exit closes the group's sockets after the error is out.
+    dist.destroy_process_group()
 
 
 def train_distributed(settings, data_dir: Path, world_size: int | None = None) -> Path:
