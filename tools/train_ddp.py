@@ -59,8 +59,9 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     dist.barrier()  # every rank is done with the group before any leaves it
     # Only a job that ended well leaves the group here (no `finally`). After an error, a
     # peer may be gone, and tearing gloo down then can abort the process (SIGABRT) before
-    # spawn or torchrun has recorded the exception: the job would report a signal instead
-    # of the error. The process's exit closes the group's sockets after the error is out.
+    # spawn has written the error file (under torchrun, before Python prints the
+    # traceback): the job would report a signal instead of the error. The process's exit
+    # closes the group's sockets after the error is out.
     dist.destroy_process_group()
 
 
