@@ -434,14 +434,23 @@ def test_the_cache_follows_greedy_and_beam_search(decoding):
 @pytest.mark.numerics
 def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypatch):
     """translate's cached path, with its chunks and banned words, keeps the cache in step
-    with the full recompute (see lockstep); both paths then give the same translations."""
+    with the full recompute (see lockstep); both paths then give the same translations.
+    Each sentence ends at a constructed step from 6 to 15 (ending_at), however briefly the
+    model trained, so every search runs more than 5 steps."""
     model, data = decoding
     sources = [pair[0] for pair in data.val]
-    plain = at.translate(model, sources, data.vocabs, search=at.beam_searcher(3, 0.6), cached=False)
+    en, k = data.vocabs["en"], 3
+    ends = [6 + b % 10 for b in range(100)]  # translate's chunks hold at most 100 sentences
     record = []
-    monkeypatch.setattr(at, "CachedPrefix", lockstep(record))
-    assert at.translate(model, sources, data.vocabs, search=at.beam_searcher(3, 0.6)) == plain
-    assert record and all(search.steps > 5 and search.gap < 1e-4 for search in record)
+    full = at.FullPrefix
+    monkeypatch.setattr(at, "FullPrefix", ending_at(full, ends, k, en.eos_id))
+    plain = at.translate(model, sources, data.vocabs, search=at.beam_searcher(k, 0.6), cached=False)
+    monkeypatch.setattr(at, "FullPrefix", full)
+    monkeypatch.setattr(at, "CachedPrefix", ending_at(lockstep(record), ends, k, en.eos_id))
+    assert at.translate(model, sources, data.vocabs, search=at.beam_searcher(k, 0.6)) == plain
+    chunks = [min(100, len(sources) - start) for start in range(0, len(sources), 100)]
+    assert [search.steps for search in record] == [max(ends[:n]) + 1 for n in chunks]
+    assert all(search.gap < 1e-4 for search in record)
 
 
 @pytest.mark.slow
