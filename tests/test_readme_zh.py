@@ -4,6 +4,7 @@ troubleshooting table, appears in the Chinese README as the same code, and the C
 README shows the same record as README.md's results table."""
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,6 @@ ENV_VAR = re.compile(r"^([A-Z][A-Z0-9_]*)(=\S*)?$")
 SETTING = re.compile(r"^[a-z_]+=\S+$")  # retrain=True, epochs=6
 MAKE_TARGET = re.compile(r"\bmake ([a-z][\w-]*)")
 ASSIGNMENT = re.compile(r"^((?:[A-Z][A-Z0-9_]*=\S*\s+)+)")  # AT_PRESET=gpu torchrun ...
-NUMBER = r"\d+(?:\.\d+)?"  # 19, 06, 13.6
 # Nothing of a command's own characters may touch a match: `make lab` is not in `make lab-zh`;
 # a variable may be followed by its value (`CI` in `CI=true`).
 BEFORE, AFTER = r"[\w./=-]", r"[\w./-]"
@@ -151,18 +151,20 @@ def test_every_troubleshooting_message_is_in_the_chinese_readme(english, chinese
 
 
 def test_the_chinese_results_table_shows_the_same_record():
-    """The numbers and record links of README.md's generated results table (tools/records.py
-    writes it) are in README.zh-CN.md: when a new record replaces a run, this fails until the
-    Chinese table follows."""
-    markdown = ENGLISH.read_text(encoding="utf-8")
-    block = re.search(r"<!-- records:results -->(.*?)<!-- /records:results -->", markdown, re.S)
-    assert block, "README.md has no <!-- records:results --> block"
-    rows = [line for line in block.group(1).splitlines() if line.startswith("| `")]
-    links = set(re.findall(r"\]\((results/[^)]+\.json)\)", block.group(1)))
-    numbers = {n for row in rows for n in re.findall(rf"(?<![\w.]){NUMBER}(?![\d.])", row)}
-    assert links and len(numbers) >= 5, "README.md's results table has no record or numbers"
+    """README.zh-CN.md shows the record that README.md's generated table shows (the newest
+    `make run` of the cpu preset, as tools/records.py picks it): its link, BLEU and
+    training minutes. When a new record replaces it, this fails until the Chinese follows."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import records
+
+    run = records.newest_run(records.load_records(), "cpu")
+    assert run is not None, "results/ has no make run record of the cpu preset"
     chinese = CHINESE.read_text(encoding="utf-8")
-    missing = sorted(links - set(re.findall(r"\]\((results/[^)]+\.json)\)", chinese)))
-    shown = set(re.findall(rf"(?<![\d.]){NUMBER}(?![\d.])", chinese))
-    missing += sorted(numbers - shown)
-    assert not missing, f"README.zh-CN.md's results table differs from README.md's: {missing}"
+    shown = [
+        f"](results/{run['file']})",
+        f"{run['test2016_bleu_greedy']:.1f}",
+        f"{run['test2016_bleu_beam']:.1f}",
+        f"{run['train_seconds'] / 60:.1f}",
+    ]
+    missing = [item for item in shown if item not in chinese]
+    assert not missing, f"README.zh-CN.md's results table lacks {missing} of {run['file']}"
