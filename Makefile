@@ -20,7 +20,7 @@ COMPAT_PINS := altair==5.5.0 pandas==2.2.3 numpy==2.1.3  # replace these three o
 
 # Where pip finds torch. Empty: PyPI, whose Linux x86-64 torch is the CUDA build (gigabytes).
 # On a Linux machine without a GPU, `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`
-# takes the CPU-only build instead (README, "Installing on a machine without a GPU").
+# takes the CPU-only build instead (README, "Start here").
 TORCH_INDEX ?=
 # The tests whose numbers depend on the CPU's kernels, run again under other kernel sets.
 NUMERICS_TESTS := -m numerics tests

@@ -213,7 +213,7 @@ def set_seed(seed: int) -> None:
 #
 # Why the scaling? The paper does not say. Its reference code, tensor2tensor, drew
 # embeddings with a standard deviation of $d_{\text{model}}^{-1/2}$, so the scaling
-# brought them to about 1, the positional encodings' scale. `make_model` draws ours the
+# brought them to about 1, near the positions' 0.71. `make_model` draws ours the
 # same way; exercise 1.2 measures what the scaling does.
 
 
@@ -2825,8 +2825,8 @@ class CachedPrefix(FullPrefix):
 #
 # The table puts them side by side. Every field, with its reason, is in
 # [presets.py](presets.py). On a slow machine, train fewer epochs:
-# `dataclasses.replace(settings, epochs=6)` trains 6 epochs of 11, for 2.8 points less
-# validation BLEU (35.0 against 37.8, [the records](results/README.md)). A changed
+# `dataclasses.replace(settings, epochs=6)` trains a whole 6-epoch run instead of 11, for
+# 2.8 less validation BLEU (35.0 against 37.8, [the records](results/README.md)). A changed
 # `train_pairs`, `eval_pairs`, `max_train_len`, `min_freq` or `bpe_merges` changes the
 # data: run `prepare_data` again (Part 4).
 
