@@ -145,6 +145,11 @@ from presets import CPU, GPU, PRESETS, SEED, SMOKE, Settings, get_settings  # no
 # # Altair refuses data of over 5,000 rows by default; our largest heatmaps hold a few
 # # thousand cells, and an unexpected refusal would only show as a missing chart.
 # alt.data_transformers.disable_max_rows()
+# # The messages of trainer.py and plumbing.py, in this notebook's language (the Chinese
+# # edition asks for "zh_CN" here).
+# import plumbing
+#
+# plumbing.use_language("en")
 
 # %% [markdown]
 # One seed drives every random choice: the first weights, dropout, the order of batches.
@@ -296,7 +301,9 @@ class PositionalEncoding(nn.Module):
 #     ]
 # )
 # alt.Chart(pe_frame, title="Positional encoding, dimensions 4 to 7").mark_line().encode(
-#     x="position", y="value", color="dimension"
+#     x=alt.X("position", title="token position"),
+#     y=alt.Y("value", title="encoding value"),
+#     color=alt.Color("dimension", title="which dimension"),
 # ).properties(width=600, height=200)
 
 # %% [markdown]
@@ -911,7 +918,11 @@ def count_parameters(model: nn.Module) -> int:
 # %% active="ipynb" tags=["check"]
 # for d_model, d_ff in [(512, 2048), (16, 40)]:
 #     layer = DecoderLayer(ModelConfig(d_model=d_model, d_ff=d_ff, h=4))
-#     assert filled(decoder_layer_parameters(d_model, d_ff)) == count_parameters(layer)
+#     counted = count_parameters(layer)
+#     assert filled(decoder_layer_parameters(d_model, d_ff)) == counted, (
+#         f"d_model={d_model}, d_ff={d_ff}: the layer has {counted:,} parameters; "
+#         "count both attention blocks, the feed-forward layer and all three LayerNorms"
+#     )
 # print(f"a base decoder layer: {decoder_layer_parameters(512, 2048):,} parameters")
 
 # %% [markdown]
@@ -938,8 +949,12 @@ def count_parameters(model: nn.Module) -> int:
 # torch.manual_seed(0)
 # sized = make_model(8000, 6000, ModelConfig(N=1))  # the base width, 512
 # plain, scaled = filled(embedding_rms(sized, scaled=False)), embedding_rms(sized, scaled=True)
-# assert math.isclose(plain, 512**-0.5, rel_tol=0.01)  # drawn with that deviation
-# assert math.isclose(scaled / plain, math.sqrt(512), rel_tol=1e-6)  # float32 rounding
+# assert math.isclose(plain, 512**-0.5, rel_tol=0.01), (  # drawn with that deviation
+#     f"unscaled RMS {plain:.4f}, expected about {512**-0.5:.4f}: read the table's weights"
+# )
+# assert math.isclose(scaled / plain, math.sqrt(512), rel_tol=1e-6), (  # float32 rounding
+#     "scaled=True should multiply by sqrt(d_model), as TokenEmbedding.forward does"
+# )
 # print(f"root-mean-square {plain:.3f} unscaled, {scaled:.2f} scaled; the positions' 0.71")
 # del sized
 
@@ -1020,7 +1035,9 @@ class Batch:
 #     [{"query": i, "key": j, "may attend": bool(mask[i, j])} for i in range(10) for j in range(10)]
 # )
 # alt.Chart(mask_frame, title="Causal mask").mark_rect().encode(
-#     x="key:O", y="query:O", color="may attend:N"
+#     x=alt.X("key:O", title="key position"),
+#     y=alt.Y("query:O", title="query position"),
+#     color="may attend:N",
 # ).properties(width=220, height=220)
 
 # %% active="ipynb"
@@ -1118,7 +1135,9 @@ class LabelSmoothing(nn.Module):
 #     ]
 # )
 # alt.Chart(dist_frame, title="Smoothed targets (eps = 0.4, word 0 = padding)").mark_rect().encode(
-#     x="word:O", y="position:N", color="target probability:Q"
+#     x=alt.X("word:O", title="word id"),
+#     y=alt.Y("position:N", title="target position"),
+#     color="target probability:Q",
 # ).properties(width=200, height=90)
 
 # %% [markdown]
@@ -1137,7 +1156,9 @@ class LabelSmoothing(nn.Module):
 # assert 0 < best < len(losses) - 1  # a minimum in the middle: too confident costs loss
 # alt.Chart(
 #     pd.DataFrame({"logit of the right word": range(1, 60), "loss": losses})
-# ).mark_line().encode(x="logit of the right word", y="loss").properties(
+# ).mark_line().encode(
+#     x="logit of the right word", y=alt.Y("loss", title="label-smoothed loss")
+# ).properties(
 #     width=400, height=180, title="Label-smoothed loss against confidence"
 # )
 
@@ -1280,7 +1301,9 @@ def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
 # assert rate(4000, d_model=512, warmup=4000) > rate(3900, d_model=512, warmup=4000)
 # assert rate(4000, d_model=512, warmup=4000) > rate(4100, d_model=512, warmup=4000)
 # alt.Chart(schedule_frame, title="Learning-rate schedule").mark_line().encode(
-#     x="step", y="learning rate", color="setting"
+#     x=alt.X("step", title="optimizer step"),
+#     y="learning rate",
+#     color=alt.Color("setting", title="d_model and warm-up"),
 # ).properties(width=500, height=220)
 
 # %% [markdown]
@@ -1546,7 +1569,9 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 # for d_model, warmup in [(512, 4000), (256, 400)]:
 #     step, peak = filled(peak_of_rate(d_model, warmup))
 #     rates = [rate(s, d_model=d_model, warmup=warmup) for s in range(1, 3 * warmup)]
-#     assert step == 1 + int(np.argmax(rates)) and math.isclose(peak, max(rates))
+#     highest = 1 + int(np.argmax(rates))
+#     assert step == highest, f"the rate is highest at step {highest}, not {step}"
+#     assert math.isclose(peak, max(rates)), f"the highest rate is {max(rates):.3e}, not {peak:.3e}"
 # print(f"the base model's rate peaks at step 4,000: {peak_of_rate(512, 4000)[1]:.2e}")
 
 # %% [markdown]
@@ -1572,14 +1597,16 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 # padded = torch.tensor([[5, 6, 7, 0, 0]])  # three words, then two pads (pad_id 0)
 # other = torch.tensor([[5, 6, 7, 9, 4]])  # the same words, other ids where the pads were
 # mask = filled(padding_mask(padded, pad_id=0))
-# assert mask.shape == (1, 1, 5) and mask.dtype == torch.bool
+# assert mask.shape == (1, 1, 5), f"the mask has shape {tuple(mask.shape)}: expected (1, 1, 5)"
+# assert mask.dtype == torch.bool, f"the mask holds {mask.dtype}: compare ids to get booleans"
 # with torch.no_grad():
 #     moved = [  # the largest change at the three real positions
 #         (pad_model.encode(padded, m) - pad_model.encode(other, m))[:, :3].abs().max().item()
 #         for m in (mask, torch.ones_like(mask))
 #     ]
 # print(f"real positions moved by {moved[0]:.1e} with the mask, {moved[1]:.2f} without")
-# assert moved[0] < 1e-6 and moved[1] > 0.01
+# assert moved[0] < 1e-6, "with your mask, the pads still change the real positions"
+# assert moved[1] > 0.01, "without a mask, the pads should change the real positions"
 
 # %% [markdown]
 # ## Part 3: a first test, the copy task
@@ -1738,11 +1765,13 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # %% active="ipynb" tags=["check"]
 # assert filled(prenorm_config).pre_norm, "ask ModelConfig for pre-norm sub-layers"
 # prenorm_model = train_copy_task(config=prenorm_config)
-# assert isinstance(prenorm_model.encoder.final_norm, nn.LayerNorm)  # pre-norm's last norm
+# assert isinstance(prenorm_model.encoder.final_norm, nn.LayerNorm), (  # pre-norm's last norm
+#     "a pre-norm encoder ends with a LayerNorm of its own: is pre_norm set?"
+# )
 # copied = greedy_decode(prenorm_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
 # prenorm_share = (copied == held_out.src).all(dim=1).float().mean().item()
 # print(f"pre-norm copied {prenorm_share:.0%} of the 100 held-out sequences exactly")
-# assert prenorm_share > 0.9
+# assert prenorm_share > 0.9, f"pre-norm copied only {prenorm_share:.0%}; it should copy over 90%"
 
 # %% [markdown]
 # **3.2 Reverse instead of copy.** A task the model cannot solve by reading the source
@@ -1772,7 +1801,10 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 
 # %% active="ipynb" tags=["check"]
 # row = copy_batch(1, 4, torch.Generator().manual_seed(0)).src[0].tolist()
-# assert filled(reversed_words(torch.tensor([row])))[0].tolist() == [row[0], *row[-2:0:-1], row[-1]]
+# expected_row = [row[0], *row[-2:0:-1], row[-1]]
+# assert filled(reversed_words(torch.tensor([row])))[0].tolist() == expected_row, (
+#     f"{row} should become {expected_row}: <s> and </s> stay where they are"
+# )
 # reversing_model = train_copy_task(make_batch=reverse_batch)
 # test = reverse_batch(100, 10, torch.Generator().manual_seed(12345))
 # output = greedy_decode(reversing_model, test.src, test.src_mask, 12, ids=COPY_IDS)
@@ -1780,7 +1812,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # same = (output == expected).all(dim=1) if output.shape == expected.shape else torch.zeros(1)
 # reversed_share = same.float().mean().item()
 # print(f"reversed {reversed_share:.0%} of the 100 held-out sequences exactly")
-# assert reversed_share > 0.9
+# assert reversed_share > 0.9, f"the model reversed only {reversed_share:.0%}; expected over 90%"
 
 # %% [markdown]
 # ## Part 4: a real task, German to English on Multi30k
@@ -2400,8 +2432,15 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # print(pd.DataFrame.from_dict(trade, orient="index", columns=["words", "unknown share"]))
 # vocab = build_vocab(tokens["train"]["en"], 2)
 # ids = [i for sentence in tokens["val"]["en"] for i in vocab.encode(sentence)]
-# assert trade[2][0] == len(vocab) and math.isclose(trade[2][1], ids.count(vocab.unk_id) / len(ids))
-# assert trade[1][0] > trade[2][0] > trade[5][0] and trade[1][1] < trade[2][1] < trade[5][1]
+# unknown_share = ids.count(vocab.unk_id) / len(ids)
+# assert trade[2][0] == len(vocab), (
+#     f"min_freq 2 gives a vocabulary of {len(vocab):,}, not {trade[2][0]:,}"
+# )
+# assert math.isclose(trade[2][1], unknown_share), (
+#     f"min_freq 2: {unknown_share:.2%} of the validation tokens are <unk>, not {trade[2][1]:.2%}"
+# )
+# assert trade[1][0] > trade[2][0] > trade[5][0], "a higher min_freq keeps fewer words"
+# assert trade[1][1] < trade[2][1] < trade[5][1], "a higher min_freq leaves more tokens unknown"
 
 # %% [markdown]
 # **4.2 What sorting by length saves.** Write `random_batches`, which cuts batches in a
@@ -2450,10 +2489,12 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # assert sorted(i for b in unsorted for i in b) == list(range(len(full_train))), "each pair once"
 # assert all(unsorted), "an empty batch: the first pair of a batch always fits"
 # lengths = [max(len(full_train[i][0]), len(full_train[i][1])) for i in range(len(full_train))]
-# assert all(len(b) * max(lengths[i] for i in b) <= settings.batch_tokens for b in unsorted)
+# assert all(len(b) * max(lengths[i] for i in b) <= settings.batch_tokens for b in unsorted), (
+#     "a batch of several pairs is over the budget, padding included"
+# )
 # unsorted_efficiency = padding_efficiency(full_train, unsorted)
 # print(f"real tokens: {unsorted_efficiency:.0%} in random order, {efficiency:.0%} sorted")
-# assert unsorted_efficiency < efficiency
+# assert unsorted_efficiency < efficiency, "random order should waste more on padding"
 
 # %% [markdown]
 # ## Part 5: translating and scoring
@@ -2788,7 +2829,8 @@ class CachedPrefix(FullPrefix):
 # cut = [" ".join(sentence.split()[:-2]) for sentence in references]
 # score = sacrebleu.metrics.BLEU().corpus_score(cut, [references])
 # penalty = filled(brevity_penalty(score.sys_len, score.ref_len))
-# assert math.isclose(penalty, score.bp, rel_tol=1e-6) and brevity_penalty(12, 10) == 1.0
+# assert math.isclose(penalty, score.bp, rel_tol=1e-6), f"sacreBLEU's penalty is {score.bp:.4f}"
+# assert brevity_penalty(12, 10) == 1.0, "hypotheses longer than the references get no penalty"
 # print(f"BLEU {score.score:.1f}: every n-gram is right, but the penalty is {penalty:.2f}")
 
 # %% [markdown]
@@ -3034,12 +3076,16 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # losses_chart = (
 #     alt.Chart(pd.DataFrame(curve_rows), title="Label-smoothed loss")
 #     .mark_line(point=True)
-#     .encode(x="epoch:O", y=alt.Y("value", title="loss"), color="series")
+#     .encode(
+#         x=alt.X("epoch:O", title="epoch number"),
+#         y=alt.Y("value", title="loss per token"),
+#         color=alt.Color("series", title="which loss"),
+#     )
 # )
 # bleu_chart = (
 #     alt.Chart(pd.DataFrame(bleu_rows), title="Validation BLEU (greedy)")
 #     .mark_line(point=True)
-#     .encode(x="epoch:O", y=alt.Y("value", title="sacreBLEU"))
+#     .encode(x=alt.X("epoch:O", title="epoch number"), y=alt.Y("value", title="sacreBLEU score"))
 # )
 # diamonds = alt.Chart(pd.DataFrame(average_rows, columns=["epoch", "series", "value"]))
 # bleu_chart += diamonds.mark_point(shape="diamond", size=120, filled=True, color="black").encode(
@@ -3048,7 +3094,10 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # rate_chart = (
 #     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate by optimizer step")
 #     .mark_line()
-#     .encode(x="step", y=alt.Y("learning rate", axis=alt.Axis(format=".1e")))
+#     .encode(
+#         x=alt.X("step", title="optimizer step"),
+#         y=alt.Y("learning rate", title="learning rate used", axis=alt.Axis(format=".1e")),
+#     )
 # )
 # display(
 #     alt.vconcat(
@@ -3123,7 +3172,9 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # )
 # budget_title = "Learning rate over a run, relative to its peak"
 # alt.Chart(budget_frame, title=budget_title).mark_line().encode(
-#     x="share of the run", y="rate / peak", color="schedule"
+#     x="share of the run",
+#     y=alt.Y("rate / peak", title="rate relative to its peak"),
+#     color=alt.Color("schedule", title="schedule shape"),
 # ).properties(width=450, height=200)
 
 # %% [markdown]
@@ -3576,7 +3627,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 #
 # for alpha, winner in [(filled(tie_alpha) - 0.001, "short"), (tie_alpha + 0.001, "long")]:
 #     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
-#     assert (short > long) == (winner == "short"), (alpha, short, long)
+#     assert (short > long) == (winner == "short"), (
+#         f"alpha = {alpha:.3f}: the {winner} sentence should win ({short:.3f} against {long:.3f})"
+#     )
 # print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
 
 # %% [markdown]
@@ -3705,8 +3758,8 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
         .transform_filter(f"datum.layer == {layer.name} && toNumber(datum.head) == {head.name}")
         .mark_rect()
         .encode(
-            x=alt.X("key:N", sort=key_labels, title="key"),
-            y=alt.Y("query:N", sort=query_labels, title="query"),
+            x=alt.X("key:N", sort=key_labels, title="key: the word read"),
+            y=alt.Y("query:N", sort=query_labels, title="query: the word reading"),
             color=alt.Color("weight:Q", scale=alt.Scale(scheme="blues", domain=[0, 1])),
             tooltip=["query:N", "key:N", alt.Tooltip("weight:Q", format=".3f")],
         )
@@ -3803,11 +3856,17 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 
 # %% active="ipynb" tags=["check"]
 # even, one_hot = torch.full((1, 3, 4), 0.25), torch.eye(4)[None, :3]
-# assert torch.allclose(filled(head_entropy(even)), torch.tensor([2.0]))
-# assert torch.equal(head_entropy(one_hot), torch.tensor([0.0]))
+# assert torch.allclose(filled(head_entropy(even)), torch.tensor([2.0])), (
+#     "weights spread evenly over 4 keys carry 2 bits: use log base 2, averaged over queries"
+# )
+# assert torch.equal(head_entropy(one_hot), torch.tensor([0.0])), (
+#     "all weight on one key is 0 bits: treat 0 * log 0 as 0"
+# )
 # for layer, w in enumerate(maps["encoder self-attention"]):
 #     bits = head_entropy(w)
-#     assert ((0 <= bits) & (bits <= math.log2(w.size(-1)) + 1e-5)).all()
+#     assert ((0 <= bits) & (bits <= math.log2(w.size(-1)) + 1e-5)).all(), (
+#         f"layer {layer}: entropies lie between 0 and log2 of the number of keys"
+#     )
 #     print(f"layer {layer}: most focused head {bits.argmin()} ({bits.min():.2f} bits), ", end="")
 #     print(f"most diffuse head {bits.argmax()} ({bits.max():.2f} bits)")
 
@@ -3836,10 +3895,14 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 
 # %% active="ipynb" tags=["check"]
 # square = torch.eye(6)
-# assert torch.equal(filled(diagonal_score(square[None])), torch.tensor([1.0]))
+# assert torch.equal(filled(diagonal_score(square[None])), torch.tensor([1.0])), (
+#     "every query of an identity map looks at its own position: the score is 1"
+# )
 # anti = diagonal_score(square.flip(1)[None]).item()  # the anti-diagonal: rows 2 and 3 of 6
-# assert math.isclose(anti, 2 / 6, rel_tol=1e-6)
-# assert diagonal_score(torch.eye(12)[::2][None]).item() == 1.0  # 6 queries over 12 keys
+# assert math.isclose(anti, 2 / 6, rel_tol=1e-6), f"the anti-diagonal scores {anti:.3f}, not 2/6"
+# assert diagonal_score(torch.eye(12)[::2][None]).item() == 1.0, (  # 6 queries over 12 keys
+#     "with fewer queries than keys, scale each query's position to the keys'"
+# )
 # cross = maps["encoder-decoder attention"][-1]
 # scores = diagonal_score(cross)
 # print(f"last layer: head {scores.argmax()} aligns best, {scores.max():.0%} of its rows")

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import socket
 import sys
@@ -50,6 +51,33 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message says what to do."""
 
 
+# --- messages, in the notebook's language -------------------------------------------------
+
+# The language of the messages below, and each English message's translation.
+MESSAGES: dict = {"language": "en", "table": {}}
+
+
+def use_language(language: str) -> None:
+    """Say this project's messages in `language`: "en", or "zh_CN", which the Chinese notebook's
+    imports cell asks for. The translations are entries of context "messages" in the catalogue
+    that translates the notebook (locale/zh_CN); where it or polib is missing, English."""
+    table = {}
+    path = Path(__file__).resolve().parent / "locale" / language / "LC_MESSAGES"
+    try:
+        import polib
+
+        entries = polib.pofile(str(path / "annotated_transformer.po")).translated_entries()
+        table = {e.msgid: e.msgstr for e in entries if e.msgctxt == "messages"}
+    except (ImportError, OSError):
+        pass  # English
+    MESSAGES.update(language=language, table=table if language != "en" else {})
+
+
+def say(message: str, **fields) -> str:
+    """`message` in the language that use_language chose, its {fields} filled in."""
+    return MESSAGES["table"].get(message, message).format(**fields)
+
+
 # --- files --------------------------------------------------------------------------------
 
 
@@ -61,14 +89,18 @@ def write_atomically(path: Path, data: bytes) -> None:
         fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except PermissionError as error:
         raise DataError(
-            f"cannot write {path}: the folder is not writable; fix its permissions"
+            say("cannot write {path}: the folder is not writable; fix its permissions", path=path)
         ) from error
     except (FileExistsError, NotADirectoryError) as error:
         blocker = next((p for p in [path.parent, *path.parent.parents] if p.is_file()), None)
-        what = f"{blocker} is a file" if blocker else f"{error.strerror.lower()}"
+        what = say("{blocker} is a file", blocker=blocker) if blocker else error.strerror.lower()
         raise DataError(
-            f"cannot create the folder {path.parent}: {what}; "
-            "move it away or choose another data folder"
+            say(
+                "cannot create the folder {folder}: {what}; "
+                "move it away or choose another data folder",
+                folder=path.parent,
+                what=what,
+            )
         ) from error
     try:
         with os.fdopen(fd, "wb") as f:
@@ -109,8 +141,9 @@ def verify_checksum(path: Path) -> None:
     expected = SHA256.get(path.name)
     if expected is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() != expected:
         raise DataError(
-            f"{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again"
-        )
+            say("{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again",
+                path=path)
+        )  # fmt: skip
 
 
 def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
@@ -121,12 +154,16 @@ def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
             data = response.read()
     except OSError as error:
         raise DataError(
-            f"could not download {url} ({error}): check the connection, or set MULTI30K_DIR "
-            "to a folder that holds the Multi30k .gz files"
+            say(
+                "could not download {url} ({error}): check the connection, or set MULTI30K_DIR "
+                "to a folder that holds the Multi30k .gz files",
+                url=url,
+                error=error,
+            )
         ) from error
     expected = SHA256.get(name)
     if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise DataError(f"download of {url} has the wrong SHA-256: try again later")
+        raise DataError(say("download of {url} has the wrong SHA-256: try again later", url=url))
     write_atomically(target, data)
     return target
 
@@ -139,12 +176,18 @@ def split_file(split: str, lang: str, data_dir: Path = Path("data")) -> Path:
         folder = Path(mirror)
         if not folder.is_dir():
             raise DataError(
-                f"MULTI30K_DIR={mirror} is not a folder: point it at the Multi30k .gz files "
-                "or unset it to download them"
+                say(
+                    "MULTI30K_DIR={mirror} is not a folder: point it at the Multi30k .gz files "
+                    "or unset it to download them",
+                    mirror=mirror,
+                )
             )
         path = folder / name
         if not path.is_file():
-            raise DataError(f"{path} is missing: copy {name} into {folder} or unset MULTI30K_DIR")
+            raise DataError(
+                say("{path} is missing: copy {name} into {folder} or unset MULTI30K_DIR",
+                    path=path, name=name, folder=folder)
+            )  # fmt: skip
     else:
         path = Path(data_dir) / name
         if not path.is_file():
@@ -160,15 +203,20 @@ def read_lines(path: Path) -> list[str]:
         with gzip.open(path, "rb") as f:
             raw = f.read()
     except EOFError as error:
-        raise DataError(f"{path} is truncated: delete it and fetch it again") from error
+        raise DataError(
+            say("{path} is truncated: delete it and fetch it again", path=path)
+        ) from error
     except (OSError, gzip.BadGzipFile) as error:
-        raise DataError(f"{path} is not a valid gzip file: delete it and fetch it again") from error
+        raise DataError(
+            say("{path} is not a valid gzip file: delete it and fetch it again", path=path)
+        ) from error
     try:
         return raw.decode("utf-8-sig").splitlines()  # -sig: drop a leading byte-order mark
     except UnicodeDecodeError as error:
         raise DataError(
-            f"{path} is not UTF-8 text (byte {error.start}): re-save it as UTF-8"
-        ) from error
+            say("{path} is not UTF-8 text (byte {byte}): re-save it as UTF-8",
+                path=path, byte=error.start)
+        ) from error  # fmt: skip
 
 
 def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str]]:
@@ -177,13 +225,17 @@ def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str
     de, en = read_lines(de_path), read_lines(en_path)
     if len(de) != len(en):
         raise DataError(
-            f"{de_path} has {len(de)} lines but {en_path} has {len(en)}: "
-            "the two files must be line-aligned; fetch both again"
-        )
+            say(
+                "{de_path} has {de} lines but {en_path} has {en}: "
+                "the two files must be line-aligned; fetch both again",
+                de_path=de_path, de=len(de), en_path=en_path, en=len(en),
+            )
+        )  # fmt: skip
     pairs = [(d.strip(), e.strip()) for d, e in zip(de, en, strict=True)]
     kept = [(d, e) for d, e in pairs if d and e]
     if len(kept) < len(pairs):
-        print(f"{split}: skipped {len(pairs) - len(kept)} pairs with an empty line")
+        print(say("{split}: skipped {n} pairs with an empty line", split=split,
+                  n=len(pairs) - len(kept)))  # fmt: skip
     return kept
 
 
@@ -199,6 +251,18 @@ def canonical(node) -> str:
         return "[" + ", ".join(canonical(n) for n in node) + "]"
     if not isinstance(node, ast.AST):
         return repr(node)
+    # A message, title or label (words with spaces, or Chinese) is prose: the Chinese notebook
+    # translates it, and neither edition's wording changes what training computes. Only the
+    # fields of an f-string count, in any order.
+    prose = r"[A-Za-z]{2,}\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]"
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if re.search(prose, node.value):
+            return "Prose()"
+    if isinstance(node, ast.JoinedStr):
+        words = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        fields = [canonical(v) for v in node.values if not isinstance(v, ast.Constant)]
+        if re.search(prose, words):
+            return f"Prose({', '.join(sorted(fields))})"
     body = getattr(node, "body", None)
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
         first = body[0]
@@ -239,8 +303,12 @@ def code_of(value, home: str) -> str:
         return canonical(ast.parse(textwrap.dedent(inspect.getsource(value))))
     except (OSError, TypeError, SyntaxError) as error:
         raise CheckpointError(
-            f"cannot read the code of {value.__qualname__} ({error}): define it in a cell "
-            "or a file, so that the run's folder can be named by it"
+            say(
+                "cannot read the code of {name} ({error}): define it in a cell "
+                "or a file, so that the run's folder can be named by it",
+                name=value.__qualname__,
+                error=error,
+            )
         ) from error
 
 
@@ -360,7 +428,7 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
         kept = folder.parent / "replaced" / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(folder, kept)
-        print(f"moved the earlier run to {kept}")
+        print(say("moved the earlier run to {kept}", kept=kept))
     if not (folder / "manifest.json").is_file():
         write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
     return folder
@@ -407,13 +475,16 @@ def save_checkpoint(path: Path, **content) -> None:
 def read_checkpoint(path: Path) -> dict:
     """torch.load with weights_only=True (tensors and plain containers, never code)."""
     if not Path(path).is_file():
-        raise CheckpointError(f"{path} is missing: train the run first, or check the folder")
+        raise CheckpointError(
+            say("{path} is missing: train the run first, or check the folder", path=path)
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(
-            f"{path} is damaged or truncated ({type(error).__name__}): delete it"
-        ) from error
+            say("{path} is damaged or truncated ({kind}): delete it", path=path,
+                kind=type(error).__name__)
+        ) from error  # fmt: skip
 
 
 def random_states() -> dict:

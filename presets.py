@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plumbing import say
+
 SEED = 42  # the default seed of every preset
 
 
@@ -19,11 +21,17 @@ def refuse_unknown_choices(settings) -> None:
     """Stop with one line if a setting typed Literal[...] holds another value, or if
     `epochs` is not a whole number of at least 1."""
     if not isinstance(settings.epochs, int) or settings.epochs < 1:
-        raise ValueError(f"epochs={settings.epochs!r}: train a whole number of epochs, 1 or more")
+        raise ValueError(
+            say("epochs={epochs!r}: train a whole number of epochs, 1 or more",
+                epochs=settings.epochs)
+        )  # fmt: skip
     for name, kind in type(settings).__annotations__.items():
         allowed = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         if allowed and getattr(settings, name) not in allowed:
-            raise ValueError(f"{name}={getattr(settings, name)!r}: use one of {', '.join(allowed)}")
+            raise ValueError(
+                say("{name}={value!r}: use one of {allowed}", name=name,
+                    value=getattr(settings, name), allowed=", ".join(allowed))
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,5 +123,8 @@ def get_settings(name: str | None = None) -> Settings:
     if name is None:
         name = os.environ.get("AT_PRESET") or ("gpu" if torch.cuda.is_available() else "cpu")
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}: set AT_PRESET to one of {', '.join(PRESETS)}")
+        raise ValueError(
+            say("unknown preset {name!r}: set AT_PRESET to one of {presets}", name=name,
+                presets=", ".join(PRESETS))
+        )  # fmt: skip
     return PRESETS[name]

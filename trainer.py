@@ -36,6 +36,7 @@ from plumbing import (  # noqa: F401 (run_folder: the notebook and the tools cal
     restore_random_states,
     run_folder,
     save_checkpoint,
+    say,
     what_changed,
 )
 
@@ -90,15 +91,24 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
     epochs = gather_from_ranks(len(checkpoint["history"]) if checkpoint else None)
     if len(set(epochs)) > 1:  # a rank on a machine of its own would start afresh and hang
         raise CheckpointError(
-            f"the ranks see different checkpoints in {folder} (finished epochs by rank, None "
-            f"for none: {epochs}): put data/ on a filesystem that every machine shares"
+            say(
+                "the ranks see different checkpoints in {folder} (finished epochs by rank, None "
+                "for none: {epochs}): put data/ on a filesystem that every machine shares",
+                folder=folder,
+                epochs=epochs,
+            )
         )
     if checkpoint is None:
         return []
     if len(checkpoint["random"]) != world_size:
         raise CheckpointError(
-            f"{path} was written by a run on {len(checkpoint['random'])} "
-            f"process(es), not {world_size}: resume with as many, or retrain"
+            say(
+                "{path} was written by a run on {n} process(es), not {world_size}: resume with "
+                "as many, or retrain",
+                path=path,
+                n=len(checkpoint["random"]),
+                world_size=world_size,
+            )
         )
     check_made_of(checkpoint, folder, path)
     load_weights(kept["model"], checkpoint["model"], path)
@@ -107,7 +117,8 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
     for name, value in checkpoint["state"].items():
         setattr(kept["state"], name, value)
     restore_random_states(checkpoint["random"][rank])
-    print(f"going on after epoch {len(checkpoint['history']) - 1}, step {kept['state'].step}")
+    epoch, step = len(checkpoint["history"]) - 1, kept["state"].step
+    print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
     return checkpoint["history"]
 
 
@@ -116,14 +127,21 @@ def check_made_of(checkpoint: dict, folder: Path, path: Path) -> None:
     its folder names (a file copied by hand from another run)."""
     if "made_of" not in checkpoint:
         raise CheckpointError(
-            f"{path} does not say what it was trained on (an older or hand-made file): move "
-            "it away, or pass retrain=True to run_folder"
+            say(
+                "{path} does not say what it was trained on (an older or hand-made file): move "
+                "it away, or pass retrain=True to run_folder",
+                path=path,
+            )
         )
     changed = differences(checkpoint["made_of"], made_of(folder))
     if changed:
         raise CheckpointError(
-            f"{path} was trained with {changed}, not what its folder names: it belongs to "
-            "another run; move it away, or pass retrain=True to run_folder"
+            say(
+                "{path} was trained with {changed}, not what its folder names: it belongs to "
+                "another run; move it away, or pass retrain=True to run_folder",
+                path=path,
+                changed=changed,
+            )
         )
 
 
@@ -134,8 +152,12 @@ def load_weights(model: nn.Module, weights: dict, path: Path) -> None:
     except RuntimeError as error:
         problem = str(error).splitlines()[1].strip() if "\n" in str(error) else str(error)
         raise CheckpointError(
-            f"{path} does not fit this model ({problem[:120]}): it was trained with other "
-            "settings or vocabularies; move it away, or pass retrain=True to run_folder"
+            say(
+                "{path} does not fit this model ({problem}): it was trained with other "
+                "settings or vocabularies; move it away, or pass retrain=True to run_folder",
+                path=path,
+                problem=problem[:120],
+            )
         ) from None
 
 
@@ -155,18 +177,17 @@ def load_final(folder: Path, model: nn.Module) -> tuple[nn.Module, list] | None:
     final = Path(folder) / "final.pt"
     if not final.is_file():
         if (Path(folder) / "last.pt").is_file():
-            print(f"going on from {Path(folder) / 'last.pt'}")
+            print(say("going on from {path}", path=Path(folder) / "last.pt"))
+        elif changed := what_changed(folder):
+            print(say("trained before with {changed}; training anew into {folder}",
+                      changed=changed, folder=folder))  # fmt: skip
         else:
-            changed = what_changed(folder)
-            print(
-                f"trained before with {changed}; training anew" if changed else "training", end=""
-            )
-            print(f" into {folder}")
+            print(say("training into {folder}", folder=folder))
         return None
     checkpoint = read_checkpoint(final)
     check_made_of(checkpoint, folder, final)
     load_weights(model, checkpoint["model"], final)
-    print(f"loaded {final}")
+    print(say("loaded {path}", path=final))
     return model, checkpoint["history"]
 
 
@@ -191,10 +212,11 @@ def average_of(folder: Path, epochs: list[int]) -> dict:
 
 def epoch_line(record: dict) -> str:
     """The one line printed after each epoch."""
-    line = f"epoch {record['epoch']}: train loss {record['train_loss']:.3f}, "
-    line += f"val loss {record['val_loss']:.3f}, val BLEU {record['val_bleu']:.1f}, "
-    line += (
-        f"{record['seconds']:.0f} s, {record['tokens'] / record['seconds']:,.0f} target tokens/s"
+    line = say(
+        "epoch {epoch}: train loss {train_loss:.3f}, val loss {val_loss:.3f}, "
+        "val BLEU {val_bleu:.1f}, {seconds:.0f} s, {speed:,.0f} target tokens/s",
+        speed=record["tokens"] / record["seconds"],
+        **record,
     )
     return line + (f"\n{gpu_report()}" if torch.cuda.is_available() else "")
 

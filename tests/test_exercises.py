@@ -19,6 +19,7 @@ from conftest import ROOT, run_smoke_notebook
 import annotated_transformer as at
 
 NOTEBOOK = ROOT / "annotated_transformer.ipynb"
+CHINESE = ROOT / "annotated_transformer.zh-CN.ipynb"
 GAP = "✎"
 # the parts that end with exercises: the heading of each, and how many it has at least
 PARTS = {
@@ -97,17 +98,22 @@ def training_cells(notebook) -> list:
     return left_out
 
 
-@pytest.fixture(scope="module")
-def without_solutions(tmp_path_factory):
+# each edition, and what its message calls the gap a learner fills
+EDITIONS = {"english": (NOTEBOOK, "gap"), "chinese": (CHINESE, "空缺")}
+
+
+@pytest.fixture(scope="module", params=list(EDITIONS))
+def without_solutions(request, tmp_path_factory):
     """The notebook run top to bottom with the smoke preset, without its solution cells
-    and without the cells that train."""
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    and without the cells that train; in English, then in Chinese."""
+    path, gap = EDITIONS[request.param]
+    notebook = nbformat.read(path, as_version=4)
     left_out = {id(c) for c in training_cells(notebook)}
     notebook.cells = [c for c in notebook.cells if "solution" not in tags(c)]
     notebook.cells = [c for c in notebook.cells if id(c) not in left_out]
     build = tmp_path_factory.mktemp("starters")
     run_smoke_notebook(notebook, build, allow_errors=True)
-    return notebook
+    return notebook, gap
 
 
 def test_the_cheap_run_leaves_out_the_training_cells_only():
@@ -124,18 +130,19 @@ def errors(cell) -> list[dict]:
 
 @pytest.mark.slow  # runs the notebook
 def test_every_check_fails_on_its_untouched_starter(without_solutions):
-    checks = [c for c in without_solutions.cells if "check" in tags(c)]
+    """With the message in the notebook's language."""
+    notebook, gap = without_solutions
+    checks = [c for c in notebook.cells if "check" in tags(c)]
     assert len(checks) >= sum(PARTS.values())
     for cell in checks:
         (error,) = errors(cell)
-        assert error.ename == "AssertionError" and "gap" in error.evalue, (cell.source, error)
+        assert error.ename == "AssertionError" and gap in error.evalue, (cell.source, error)
 
 
 @pytest.mark.slow
 def test_only_the_checks_fail_without_the_solutions(without_solutions):
-    failed = [
-        c.source[:80] for c in without_solutions.cells if errors(c) and "check" not in tags(c)
-    ]
+    notebook, _ = without_solutions
+    failed = [c.source[:80] for c in notebook.cells if errors(c) and "check" not in tags(c)]
     assert failed == [], "these cells need a solution, or failed for another reason"
 
 
@@ -167,3 +174,20 @@ def test_our_answer_fills_an_empty_gap_and_never_replaces_a_filled_one():
                 assert namespace[name] is not mine and namespace[name] is not ..., name
             else:
                 assert namespace[name] is mine, f"our answer replaced a filled-in {name}"
+
+
+@pytest.mark.parametrize("edition", list(EDITIONS))
+def test_every_assert_of_a_check_says_what_is_wrong(edition):
+    """A wrong answer gets a sentence, in the notebook's language, not a bare AssertionError."""
+    notebook = nbformat.read(EDITIONS[edition][0], as_version=4)
+    bare, english = [], []
+    for cell in (c for c in notebook.cells if "check" in tags(c)):
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.Assert):
+                message = ast.get_source_segment(cell.source, node.msg) if node.msg else None
+                where = ast.get_source_segment(cell.source, node.test)[:60]
+                if message is None:
+                    bare.append(where)
+                elif edition == "chinese" and message.isascii():
+                    english.append(where)
+    assert bare == [] and english == [], (bare, english)

@@ -368,7 +368,7 @@ def test_the_code_reads_the_same_on_python_3_11_3_12_and_3_13(tmp_path):
         pytest.skip("no Python 3.12 or 3.13 here to compare with")
     tree = ast.parse((ROOT / "plumbing.py").read_text(encoding="utf-8"))
     (node,) = [n for n in tree.body if getattr(n, "name", "") == "canonical"]
-    (tmp_path / "canonical.py").write_text("import ast\n\n" + ast.unparse(node))
+    (tmp_path / "canonical.py").write_text("import ast\nimport re\n\n" + ast.unparse(node))
     files = [str(ROOT / f) for f in ("annotated_transformer.py", "trainer.py", "plumbing.py")]
     script = [SAME_ON_EVERY_PYTHON, str(tmp_path / "canonical.py"), *files]
     runs = {}
@@ -400,3 +400,22 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, 
     assert "\n" not in message and message.startswith(f"{folder / 'final.pt'} does not fit")
     assert "retrain=True" in message
     assert (folder / "final.pt").read_bytes() == before
+
+
+def test_the_chinese_notebooks_code_names_the_english_runs_folder(
+    quick_data, tmp_path, monkeypatch
+):
+    """Its strings and comments are translated (tools/translations.py): harmless edits, so a
+    run of either edition loads the other's."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import polib
+    import translations as tr
+
+    chinese = {(None, e.msgid): e.msgstr for e in polib.pofile(str(tr.CATALOGUE))}
+    translated = tr.translate_code(SOURCE, {k: v for k, v in chinese.items() if v}, None)
+    assert sum(not line.isascii() for line in translated.splitlines()) > 300 + sum(
+        not line.isascii() for line in SOURCE.splitlines()
+    )
+    english = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    namespace = lesson_copy(monkeypatch, translated)
+    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) == english

@@ -52,7 +52,15 @@ def fully_translated(tmp_path_factory) -> tuple[polib.POFile, dict]:
     paragraphs, tables as they are), and the notebook built from it."""
     po = tr.make_pot(tr.load(tr.ENGLISH))
     for e in po:
-        if e.msgid.startswith("|"):
+        if "(code: a string)" in e.comment:  # inside the quotes: 中文 after the opening ones
+            e.msgstr = re.sub(r"^([a-zA-Z]*(\"\"\"|'''|\"|'))", r"\1中文", e.msgid)
+        elif "(code: a comment" in e.comment:
+            e.msgstr = (
+                "中文" + e.msgid.replace("\n", " ")
+                if "after code" in e.comment
+                else ("中文" + e.msgid + "\n多一行")
+            )
+        elif e.msgid.startswith("|"):
             e.msgstr = e.msgid
         elif "\n" in e.msgid:
             e.msgstr = "\n".join("中文" + line for line in e.msgid.split("\n")) + "\n多一行"
@@ -63,20 +71,70 @@ def fully_translated(tmp_path_factory) -> tuple[polib.POFile, dict]:
     return po, json.loads(tr.build_text(tr.ENGLISH, path))
 
 
-def test_the_code_cells_ids_and_metadata_are_the_english_ones():
-    english, chinese = tr.load(tr.ENGLISH), tr.load(tr.CHINESE)
+@pytest.mark.parametrize("which", ["committed", "fully translated"])
+def test_the_code_is_the_english_code_but_for_prose_strings_and_comments(which, fully_translated):
+    """Ids, tags and metadata are the English ones. Each code cell's syntax tree, with every
+    prose string masked as a run's key masks it, is the English cell's: a translation that
+    changes code, or is not Python, fails here and in `make lint`."""
+    english = tr.load(tr.ENGLISH)
+    chinese = tr.load(tr.CHINESE) if which == "committed" else fully_translated[1]
     assert len(chinese["cells"]) == len(english["cells"])
+    translated = 0
     for en, zh in zip(english["cells"], chinese["cells"], strict=True):
         assert (zh["cell_type"], zh["id"], zh["metadata"]) == (
             en["cell_type"],
             en["id"],
             en["metadata"],
         )
+        assert set(zh) == set(en)
         if en["cell_type"] == "code":
-            assert zh == en  # source, outputs (none), execution count: byte for byte
-        else:
-            assert set(zh) == set(en)
+            assert {**zh, "source": []} == {**en, "source": []}  # no outputs, no count
+            assert tr.code_differs(tr.cell_source(en), tr.cell_source(zh)) == "", en["id"]
+            translated += tr.cell_source(zh) != tr.cell_source(en)
+    assert translated > 100  # the learner's strings and comments are Chinese
     assert chinese["metadata"]["lang"] == "zh-CN" and "jupytext" not in chinese["metadata"]
+
+
+def test_a_translation_that_changes_code_is_named():
+    """Masked: prose strings (words with spaces, or Chinese) and comments. Not masked: other
+    strings (a setting's value, a key), f-string fields, and everything else."""
+    english = 'x = f"loss {loss:.3f} at step {step}"  # a comment\nmode = "bf16"\n'
+    same = 'x = f"第 {step} 步的损失 {loss:.3f}"  # 注释\nmode = "bf16"\n'
+    assert tr.code_differs(english, same) == ""
+    assert tr.code_differs(english, same.replace('"bf16"', '"fp32"')) != ""
+    assert tr.code_differs(english, same.replace("{step}", "{step + 1}")) != ""
+    assert tr.code_differs(english, same.replace('步的损失 {loss:.3f}"', "损失")).startswith(
+        "is not Python"
+    )
+    assert tr.changed_in_code('"{n} pairs, 1.5 s"', '"{n} 对，1.5 秒"', comment=False) == []
+    assert tr.changed_in_code('"{n} pairs, 1.5 s"', '"{m} 对，1 秒"', comment=False) == [
+        "format fields",
+        "numbers",
+    ]
+
+
+def test_each_string_and_comment_of_a_code_cell_is_one_entry():
+    """Strings with their quotes; comments without `# `, a block of whole-line comments at one
+    indentation as one entry; code, one-word strings and pragmas are not entries."""
+    source = (
+        "# Two lines of\n# one comment\n"
+        "def f(x):\n"
+        '    """Say what f does."""\n'
+        "    # ✎ your answer\n"
+        '    return x, "bf16", f"{x} left to go"  # after code\n'
+        "import os  # noqa: E402\n"
+    )
+    found = [(t.msgid, t.lead, t.trailing) for t in tr.code_texts(source)]
+    assert found == [
+        ("Two lines of\none comment", "# ", False),
+        ('"""Say what f does."""', "", False),
+        ("✎ your answer", "    # ", False),
+        ('f"{x} left to go"', "", False),
+        ("after code", " " * 41 + "# ", True),  # its column
+    ]
+    chinese = {("c", "Two lines of\none comment"): "两行\n一条注释", ("c", "after code"): "代码后"}
+    built = tr.translate_code(source, chinese, "c")
+    assert built.startswith("# 两行\n# 一条注释\ndef f(x):") and "  # 代码后\n" in built
 
 
 def test_the_committed_chinese_notebook_is_what_the_build_makes():
@@ -114,12 +172,16 @@ def test_the_chinese_notebook_takes_an_english_runs_outputs_by_cell_id(tmp_path)
 
 
 def test_an_empty_catalogue_builds_the_english_notebook_byte_for_byte(tmp_path):
-    """All but the Colab badge's link, which opens the Chinese notebook (the next test)."""
+    """All but the Colab badge's link, which opens the Chinese notebook (the next test), and
+    the language the modules' messages take."""
     tr.make_pot(tr.load(tr.ENGLISH)).save(str(tmp_path / "empty.po"))
     english = tr.load(tr.ENGLISH)
     built = json.loads(tr.build_text(tr.ENGLISH, tmp_path / "empty.po"))
-    pairs = zip(english["cells"], built["cells"], strict=True)
-    assert [i for i, (en, zh) in enumerate(pairs) if en != zh] == [0]
+    pairs = list(zip(english["cells"], built["cells"], strict=True))
+    (language,) = [i for i, (en, _) in enumerate(pairs) if tr.LANGUAGE[0] in tr.cell_source(en)]
+    assert [i for i, (en, zh) in enumerate(pairs) if en != zh] == [0, language]
+    en, zh = pairs[language]
+    assert tr.cell_source(zh) == tr.cell_source(en).replace(*tr.LANGUAGE)
     badge = english["cells"][0]
     assert built["cells"][0] == {
         **badge,
@@ -189,7 +251,8 @@ def test_the_check_finds_lost_formulas_links_and_html():
 
 def test_every_translation_keeps_its_formulas_links_and_html():
     po = polib.pofile(str(tr.CATALOGUE))
-    lost = {e.msgid[:50]: tr.lost_markup(e.msgid, e.msgstr) for e in po.translated_entries()}
+    prose = [e for e in po.translated_entries() if "(code:" not in e.comment]
+    lost = {e.msgid[:50]: tr.lost_markup(e.msgid, e.msgstr) for e in prose}
     assert {text: kinds for text, kinds in lost.items() if kinds} == {}
 
 
@@ -323,3 +386,62 @@ def test_an_english_edit_stales_its_entry_and_the_check_names_it(tmp_path, fully
     assert [line.split(":")[0] for line in lines] == ["fuzzy", "untranslated", "obsolete"]
     assert all(f'msgctxt "{cell["id"]}"' in line for line in lines[:2])
     assert f'msgctxt "{removed_cell["id"]}"' in lines[2]
+
+
+@pytest.mark.skipif(
+    shutil.which("msgmerge") is None, reason="needs GNU gettext: apt-get install gettext"
+)
+def test_an_edited_english_string_in_code_stales_its_entry(tmp_path, fully_translated):
+    """A learner-facing string is prose like any paragraph: edited in English, its entry
+    turns fuzzy and the check names it; until it is translated again, the build writes the
+    new English."""
+    po, _ = fully_translated
+    catalogue, english, chinese = tmp_path / "zh.po", tmp_path / "en.ipynb", tmp_path / "zh.ipynb"
+    po.save(str(catalogue))
+    nb = tr.load(tr.ENGLISH)
+    cell = next(c for c in nb["cells"] if "the gap (✎) is still empty" in tr.cell_source(c))
+    old = next(t.msgid for t in tr.code_texts(tr.cell_source(cell)) if "the gap (✎)" in t.msgid)
+    new = old.replace("still empty", "empty")
+    cell["source"] = tr.source_lines(tr.cell_source(cell).replace(old, new))
+    english.write_text(tr.dump(nb), encoding="utf-8")
+    tr.update(english, catalogue, chinese)
+    fuzzy = [e for e in polib.pofile(str(catalogue)) if "fuzzy" in e.flags and not e.obsolete]
+    assert [(e.msgctxt, e.msgid, e.previous_msgid) for e in fuzzy] == [(cell["id"], new, old)]
+    lines = tr.problems(english, catalogue, chinese)
+    assert len(lines) == 1 and lines[0].startswith(f'fuzzy: msgctxt "{cell["id"]}"'), lines
+
+
+def test_every_message_of_the_modules_names_the_fields_it_fills():
+    """plumbing.say formats each message with its keywords: a field without one would stop
+    the program where it meant to explain a problem."""
+    import ast
+    import string
+
+    checked = 0
+    for name in tr.MODULES:
+        for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "say":
+                fields = {f for _, f, _, _ in string.Formatter().parse(node.args[0].value) if f}
+                given = {k.arg for k in node.keywords}
+                if None not in given:  # no **mapping, whose keys a reading cannot see
+                    assert fields == given, (name, node.args[0].value)
+                checked += 1
+    assert checked >= 25
+
+
+def test_the_modules_speak_the_notebooks_language():
+    """The Chinese notebook asks for zh_CN; then a message is the catalogue's, its fields
+    filled in; back in English, the English."""
+    import plumbing
+
+    chinese = tr.cell_source(next(c for c in tr.load(tr.CHINESE)["cells"] if "use_language" in
+                                  tr.cell_source(c)))  # fmt: skip
+    assert 'plumbing.use_language("zh_CN")' in chinese
+    try:
+        plumbing.use_language("zh_CN")
+        assert plumbing.say("loaded {path}", path="x/final.pt") == "已加载 x/final.pt"
+        plumbing.use_language("de")  # no catalogue: English
+        assert plumbing.say("loaded {path}", path="x/final.pt") == "loaded x/final.pt"
+    finally:
+        plumbing.use_language("en")
+    assert plumbing.say("loaded {path}", path="x/final.pt") == "loaded x/final.pt"

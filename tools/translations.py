@@ -24,15 +24,31 @@ notebook targets gets an empty `<a id="English-anchor"></a>`, and every link sta
 One link changes: the Colab badge's, which opens the notebook it sits in. Its URL is a link
 reference definition (not a translatable block), so the build points it at the Chinese
 notebook; the check, which compares the links of each entry, never sees it.
+
+Code cells: what a learner reads in them is translated too. Each prose string (a docstring, a
+message, a title: words with spaces) is an entry, its Python literal as written, quotes and
+all; each comment is an entry, a block of whole-line comments as one. Everything else stays
+the English code: the check parses every translated cell and compares its syntax tree, prose
+strings masked as a run's key masks them (plumbing.canonical), with the English one, and
+each entry's format fields and numbers with its English. So a translated string is a harmless
+edit: either edition's run loads the other's. Strings that code looks up (a dict key read in
+another cell, a German sentence) are translated as themselves.
+
+The modules' messages (each call of plumbing.say in MODULES) are entries of context
+"messages". The Chinese notebook asks for them with `plumbing.use_language("zh_CN")`, the one
+literal the build changes beyond prose: the language is the notebook's, so it is its code.
 """
 
 import argparse
+import ast
 import html
+import io
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +57,9 @@ from markdown_it import MarkdownIt
 from mdit_py_plugins.dollarmath import dollarmath_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from plumbing import canonical  # noqa: E402  (the run's key reads code the same way)
+
 ENGLISH = ROOT / "annotated_transformer.ipynb"
 CHINESE = ROOT / "annotated_transformer.zh-CN.ipynb"
 LOCALE = ROOT / "locale" / "zh_CN"
@@ -97,6 +116,119 @@ def in_table(tokens, i: int) -> bool:
     for token in tokens[:i]:
         depth += {"table_open": 1, "table_close": -1}.get(token.type, 0)
     return depth > 0
+
+
+# --- the code cells' strings and comments -----------------------------------------------
+
+# Prose in code: words with spaces, or Chinese; what plumbing.canonical masks in a run's key.
+PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]")
+# The one change to code beyond prose: the language of the project's messages (plumbing.say).
+LANGUAGE = ('use_language("en")', 'use_language("zh_CN")')
+# The files whose messages (calls of plumbing.say) the catalogue translates, as "messages".
+MODULES = ("plumbing.py", "trainer.py", "presets.py")
+FIELD = re.compile(r"(?<!\{)\{[^{}]*\}(?!\})")  # a format field: {loss:.3f}, {}
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+@dataclass
+class CodeText:
+    """A string or comment of a code cell that a learner reads: its span [start, end) in the
+    cell's source, and its English. A string's English is its literal as written, quotes and
+    all; a comment's is its text without `# `, a line per line of a block of comments, and
+    `lead` is what starts each line after the first."""
+
+    start: int
+    end: int
+    msgid: str
+    lead: str = ""
+    trailing: bool = False  # a comment after code on its line: one line only
+
+
+def code_texts(source: str) -> list[CodeText]:
+    """The prose strings (docstrings, messages, titles) and comments of one code cell, in
+    order. Consecutive whole-line comments at one indentation are one entry."""
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def offset(row: int, byte_col: int) -> int:  # ast counts columns in UTF-8 bytes
+        return starts[row - 1] + len(lines[row - 1].encode()[:byte_col].decode())
+
+    found = []
+    inside = set()  # the parts of f-strings, which belong to their f-string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr):
+            inside.update(id(v) for v in ast.walk(node) if v is not node)
+            words = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            words = node.value
+        else:
+            continue
+        if id(node) not in inside and PROSE.search(words):
+            start = offset(node.lineno, node.col_offset)
+            end = offset(node.end_lineno, node.end_col_offset)
+            found.append(CodeText(start, end, source[start:end]))
+
+    block: list[tokenize.TokenInfo] = []
+
+    def close():
+        if block and PROSE.search(" ".join(t.string for t in block)):
+            (row, col), (end_row, end_col) = block[0].start, block[-1].end
+            text = "\n".join(re.sub(r"^# ?", "", t.string) for t in block)
+            trailing = bool(lines[row - 1][:col].strip())
+            lead = " " * col + "# "
+            found.append(CodeText(starts[row - 1] + col, starts[end_row - 1] + end_col, text,
+                                  lead, trailing))  # fmt: skip
+        block.clear()
+
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            if token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                close()  # code between two comments parts them
+            continue
+        (row, col), empty = token.start, token.string.strip() == "#"
+        whole_line = not lines[row - 1][:col].strip()
+        follows = block and block[-1].start == (row - 1, col) and whole_line
+        if not follows:
+            close()
+        if not empty:
+            block.append(token)
+        if not whole_line:
+            close()
+    close()
+    return sorted(found, key=lambda t: t.start)
+
+
+def translate_code(source: str, chinese: dict, cell_id: str) -> str:
+    """One code cell with each translated string and comment put in place of its English."""
+    for text in reversed(code_texts(source)):
+        new = chinese.get((cell_id, text.msgid))
+        if new is None:
+            continue
+        if text.lead:
+            lines = new.split("\n")
+            new = "# " + (" ".join(lines) if text.trailing else ("\n" + text.lead).join(lines))
+        source = source[: text.start] + new + source[text.end :]
+    return source
+
+
+def masked(source: str) -> str:
+    """A code cell as a run's key reads it: its syntax tree with prose strings masked (and
+    so comments, docstrings and prose in either language ignored)."""
+    return canonical(ast.parse(source.replace(LANGUAGE[1], LANGUAGE[0])))
+
+
+def changed_in_code(msgid: str, msgstr: str, comment: bool) -> list[str]:
+    """What a code entry's translation must keep: a string's format fields, and every number
+    (units are the English's too; a test cannot see those)."""
+    lost = []
+    if not comment and sorted(FIELD.findall(msgid)) != sorted(FIELD.findall(msgstr)):
+        lost.append("format fields")
+    numbers = NUMBER.findall(msgstr)
+    if any(numbers.count(n) < NUMBER.findall(msgid).count(n) for n in NUMBER.findall(msgid)):
+        lost.append("numbers")
+    return lost
 
 
 def anchor(heading_text: str) -> str:
@@ -157,13 +289,54 @@ def make_pot(nb: dict) -> polib.POFile:
         "Content-Transfer-Encoding": "8bit",
     }
     seen = set()
-    for index, cell, part, block in walk(nb):
-        if (cell["id"], block.msgid) in seen:  # the same text twice in one cell: one entry
+    for index, cell, part, msgid, kind in texts(nb):
+        if (cell["id"], msgid) in seen:  # the same text twice in one cell: one entry
             continue
-        seen.add((cell["id"], block.msgid))
-        comment = f"cell {index}, under: {part}"
-        pot.append(polib.POEntry(msgctxt=cell["id"], msgid=block.msgid, comment=comment))
+        seen.add((cell["id"], msgid))
+        comment = f"cell {index}{kind}, under: {part}"
+        pot.append(polib.POEntry(msgctxt=cell["id"], msgid=msgid, comment=comment))
+    for name, msgid in messages():
+        if ("messages", msgid) not in seen:
+            seen.add(("messages", msgid))
+            comment = f"{name}: a message (keep its {{fields}})"
+            pot.append(polib.POEntry(msgctxt="messages", msgid=msgid, comment=comment))
     return pot
+
+
+def messages() -> list[tuple[str, str]]:
+    """(file, English) for every message of the project's modules: the first argument of each
+    call of plumbing.say, a format string. Their entries' context is "messages"."""
+    found = []
+    for name in MODULES:
+        for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "say":
+                first = node.args[0] if node.args else None
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    found.append((name, first.value))
+    return found
+
+
+def texts(nb: dict):
+    """(cell index, cell, part heading, English, kind) for every block of the markdown and
+    every prose string and comment of the code, in the notebook's order. The kind is "" for
+    markdown, else says which of a string, a comment or a comment after code it is."""
+    part = ""
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "markdown":
+            for block in blocks(cell_source(cell)):
+                if block.heading in ("#", "##"):
+                    part = block.msgid
+                yield index, cell, part, block.msgid, ""
+        elif cell["cell_type"] == "code":
+            for text in code_texts(cell_source(cell)):
+                kind = " (code: a string)"
+                if text.lead:
+                    kind = (
+                        " (code: a comment after code, one line)"
+                        if text.trailing
+                        else (" (code: a comment)")
+                    )
+                yield index, cell, part, text.msgid, kind
 
 
 def gettext(*args: str) -> None:
@@ -232,9 +405,10 @@ def continuation(prefixes: list[str]) -> str:
 
 
 def build_text(english: Path = ENGLISH, catalogue: Path = CATALOGUE) -> str:
-    """The Chinese notebook's text: the English one with its prose translated. Code cells,
-    ids, tags and metadata are the English ones; the notebook is marked `lang: zh-CN` and
-    unpaired from the `.py` twin (jupytext would otherwise write a Chinese twin on save)."""
+    """The Chinese notebook's text: the English one with its prose translated, and the prose
+    strings and comments of its code. Ids, tags and metadata are the English ones; the
+    notebook is marked `lang: zh-CN` and unpaired from the `.py` twin (jupytext would
+    otherwise write a Chinese twin on save)."""
     nb = load(english)
     chinese = translations(catalogue)
     targets = link_targets(nb)
@@ -242,6 +416,9 @@ def build_text(english: Path = ENGLISH, catalogue: Path = CATALOGUE) -> str:
         if cell["cell_type"] == "markdown":
             text = translate_cell(cell_source(cell), chinese, cell["id"], targets)
             text = COLAB.sub(lambda m: m.group(1) + CHINESE.name, text)
+            cell["source"] = source_lines(text)
+        elif cell["cell_type"] == "code":
+            text = translate_code(cell_source(cell), chinese, cell["id"]).replace(*LANGUAGE)
             cell["source"] = source_lines(text)
     nb["metadata"].pop("jupytext", None)
     nb["metadata"]["lang"] = "zh-CN"
@@ -262,7 +439,9 @@ def with_outputs(chinese: dict, executed: dict) -> dict:
     ran = {c["id"]: c for c in executed["cells"] if c["cell_type"] == "code"}
     code = [c for c in chinese["cells"] if c["cell_type"] == "code"]
     stale = [
-        c["id"] for c in code if c["id"] not in ran or cell_source(ran[c["id"]]) != cell_source(c)
+        c["id"]
+        for c in code
+        if c["id"] not in ran or masked(cell_source(ran[c["id"]])) != masked(cell_source(c))
     ]
     if stale or len(ran) != len(code):
         raise ValueError(
@@ -331,9 +510,11 @@ def problems(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path
     if not catalogue.exists():
         return [f"{catalogue.relative_to(ROOT)} is missing"]
     po = polib.pofile(str(catalogue))
+    code_cells = {c["id"] for c in nb["cells"] if c["cell_type"] == "code"}
     found = []
     for e in po:
         where = f"cell {index[e.msgctxt]}" if e.msgctxt in index else "a removed cell"
+        where = "a module's message" if e.msgctxt == "messages" else where
         words = " ".join(e.msgid.split()[:8])
         name = f'msgctxt "{e.msgctxt}" ({where}) "{words} …"'
         if e.obsolete:
@@ -342,6 +523,9 @@ def problems(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path
             found.append(f"fuzzy: {name}: the English changed; update the Chinese")
         elif not e.msgstr:
             found.append(f"untranslated: {name}")
+        elif e.msgctxt in code_cells or e.msgctxt == "messages":
+            if lost := changed_in_code(e.msgid, e.msgstr, "code: a comment" in e.comment):
+                found.append(f"{'/'.join(lost)} differ: {name}: keep the English's as they are")
         elif lost := lost_markup(e.msgid, e.msgstr):
             found.append(f"{'/'.join(lost)} differ: {name}: keep the English's spans as they are")
     current = {(e.msgctxt, e.msgid) for e in po if not e.obsolete}
@@ -354,11 +538,23 @@ def problems(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path
         )
     if current - expected:
         found.append(f"{len(current - expected)} entries' English is gone from the notebook")
-    if not chinese.exists() or chinese.read_text(encoding="utf-8") != build_text(
-        english, catalogue
-    ):
+    built = json.loads(build_text(english, catalogue))
+    for i, (en, zh) in enumerate(zip(nb["cells"], built["cells"], strict=True)):
+        if en["cell_type"] == "code" and (why := code_differs(cell_source(en), cell_source(zh))):
+            found.append(f"cell {i} ({en['id']}): the Chinese code {why}; fix its entries")
+    if not chinese.exists() or chinese.read_text(encoding="utf-8") != dump(built):
         found.append(f"{chinese.name} differs from what the build makes now")
     return found
+
+
+def code_differs(english: str, chinese: str) -> str:
+    """What is wrong with a translated code cell, or "" when it is the English code but for
+    prose strings and comments."""
+    try:
+        ast.parse(chinese)
+    except SyntaxError as error:
+        return f"is not Python ({error.msg}, line {error.lineno})"
+    return "" if masked(chinese) == masked(english) else "differs from the English code"
 
 
 def check() -> int:
