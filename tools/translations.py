@@ -126,6 +126,10 @@ PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]")
 LANGUAGE = ('use_language("en")', 'use_language("zh_CN")')
 # The files whose messages (calls of plumbing.say) the catalogue translates, as "messages".
 MODULES = ("plumbing.py", "trainer.py", "presets.py")
+# A comment or docstring with a word in it is for reading (a run's key ignores both), unless
+# it is only a tool's pragma.
+WORDS = re.compile(r"[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]")
+PRAGMA = re.compile(r"^(noqa(: ?[A-Z]+\d+(, ?[A-Z]+\d+)*)?|fmt: ?\w+|type: ?[\w\[\], ]+)$")
 FIELD = re.compile(r"(?<!\{)\{[^{}]*\}(?!\})")  # a format field: {loss:.3f}, {}
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -156,8 +160,16 @@ def code_texts(source: str) -> list[CodeText]:
         return starts[row - 1] + len(lines[row - 1].encode()[:byte_col].decode())
 
     found = []
+    tree = ast.parse(source)
     inside = set()  # the parts of f-strings, which belong to their f-string
-    for node in ast.walk(ast.parse(source)):
+    documents = {  # docstrings, which a run's key leaves out
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
             inside.update(id(v) for v in ast.walk(node) if v is not node)
             words = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
@@ -165,7 +177,7 @@ def code_texts(source: str) -> list[CodeText]:
             words = node.value
         else:
             continue
-        if id(node) not in inside and PROSE.search(words):
+        if id(node) not in inside and (WORDS if id(node) in documents else PROSE).search(words):
             start = offset(node.lineno, node.col_offset)
             end = offset(node.end_lineno, node.end_col_offset)
             found.append(CodeText(start, end, source[start:end]))
@@ -173,7 +185,8 @@ def code_texts(source: str) -> list[CodeText]:
     block: list[tokenize.TokenInfo] = []
 
     def close():
-        if block and PROSE.search(" ".join(t.string for t in block)):
+        text = " ".join(t.string[1:].strip() for t in block)
+        if block and WORDS.search(text) and not PRAGMA.match(text):
             (row, col), (end_row, end_col) = block[0].start, block[-1].end
             text = "\n".join(re.sub(r"^# ?", "", t.string) for t in block)
             trailing = bool(lines[row - 1][:col].strip())
