@@ -58,8 +58,8 @@ MESSAGES: dict = {"language": "en", "table": {}}
 
 
 def use_language(language: str) -> None:
-    """Say this project's messages in `language`: "en", or "zh_CN", which the Chinese notebook's
-    imports cell asks for. The translations are entries of context "messages" in the catalogue
+    """Say this project's messages in `language`, here and in the processes started from here:
+    "en", or "zh_CN", which the Chinese notebook asks for. The translations are entries of context "messages" in the catalogue
     that translates the notebook (locale/zh_CN); where it or polib is missing, English."""
     table = {}
     path = Path(__file__).resolve().parent / "locale" / language / "LC_MESSAGES"
@@ -71,6 +71,7 @@ def use_language(language: str) -> None:
     except (ImportError, OSError):
         pass  # English
     MESSAGES.update(language=language, table=table if language != "en" else {})
+    os.environ["AT_LANGUAGE"] = language  # for the processes it starts: DDP's workers
 
 
 def say(message: str, **fields) -> str:

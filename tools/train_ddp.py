@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import annotated_transformer as twin  # noqa: E402
 import trainer  # noqa: E402
-from plumbing import code_reached, free_port, prepare_cpu_memory  # noqa: E402
+from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  # noqa: E402
 
 # What a DDP run trains with: the loop, and Part 10's processes that it is given.
 ROOTS = ("train", "DDPProcesses")
@@ -35,6 +35,7 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     """
     import torch.distributed as dist
 
+    use_language(os.environ.get("AT_LANGUAGE", "en"))  # the notebook's, which started us
     settings = twin.Settings(**settings_fields)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available()
