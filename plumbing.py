@@ -59,8 +59,9 @@ MESSAGES: dict = {"language": "en", "table": {}}
 
 def use_language(language: str) -> None:
     """Say this project's messages in `language`, here and in the processes started from here:
-    "en", or "zh_CN", which the Chinese notebook asks for. The translations are entries of context "messages" in the catalogue
-    that translates the notebook (locale/zh_CN); where it or polib is missing, English."""
+    "en", or "zh_CN", which the Chinese notebook asks for. The translations are entries of
+    context "messages" in the catalogue that translates the notebook (locale/zh_CN); where it
+    or polib is missing, English."""
     table = {}
     path = Path(__file__).resolve().parent / "locale" / language / "LC_MESSAGES"
     try:
