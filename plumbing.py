@@ -67,8 +67,9 @@ def use_language(language: str) -> None:
     try:
         import polib
 
-        entries = polib.pofile(str(path / "annotated_transformer.po")).translated_entries()
-        table = {e.msgid: e.msgstr for e in entries if e.msgctxt == "messages"}
+        for catalogue in path.glob("*.po"):  # the one catalogue of the notebook
+            entries = polib.pofile(str(catalogue)).translated_entries()
+            table.update({e.msgid: e.msgstr for e in entries if e.msgctxt == "messages"})
     except (ImportError, OSError):
         pass  # English
     MESSAGES.update(language=language, table=table if language != "en" else {})

@@ -198,7 +198,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """The tests of the executed page run after the notebook's cells, to reuse their run."""
-    items.sort(key=lambda item: "page" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: any(f.endswith("page") for f in getattr(item, "fixturenames", ())))
 
 
 def tiny_data():
