@@ -3138,7 +3138,7 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # )
 # budget_title = "Learning rate over a run, relative to its peak"
 # alt.Chart(budget_frame, title=budget_title).mark_line().encode(
-#     x="share of the run",
+#     x=alt.X("share of the run", title="fraction of the run done"),
 #     y=alt.Y("rate / peak", title="rate relative to its peak"),
 #     color=alt.Color("schedule", title="schedule shape"),
 # ).properties(width=450, height=200)
