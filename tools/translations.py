@@ -58,6 +58,7 @@ from mdit_py_plugins.dollarmath import dollarmath_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from plumbing import PROSE as PROSE_PATTERN  # noqa: E402  (a run's key masks the same prose)
 from plumbing import canonical  # noqa: E402  (the run's key reads code the same way)
 
 ENGLISH = ROOT / "annotated_transformer.ipynb"
@@ -121,7 +122,7 @@ def in_table(tokens, i: int) -> bool:
 # --- the code cells' strings and comments -----------------------------------------------
 
 # Prose in code: words with spaces, or Chinese; what plumbing.canonical masks in a run's key.
-PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]")
+PROSE = re.compile(PROSE_PATTERN)
 # The one change to code beyond prose: the language of the project's messages (plumbing.say).
 LANGUAGE = ('use_language("en")', 'use_language("zh_CN")')
 # The files whose messages (calls of plumbing.say) the catalogue translates, as "messages".
