@@ -17,6 +17,7 @@ This module never imports the notebook; the notebook imports it.
 """
 
 import ast
+import contextlib
 import ctypes
 import dataclasses
 import gzip
@@ -36,7 +37,6 @@ import textwrap
 import time
 import types
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -255,26 +255,21 @@ PROSE = r"[A-Za-z]{2,}\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]"
 
 def canonical(node) -> str:
     """A syntax tree as text, without positions, docstrings or fields that differ between
-    Python 3.11, 3.12 and 3.13, so one piece of code reads the same on each."""
+    Python 3.11, 3.12 and 3.13, so one piece of code reads the same on each. Prose (PROSE)
+    is masked: only the fields of an f-string count, in any order."""
     if isinstance(node, list):
         return "[" + ", ".join(canonical(n) for n in node) + "]"
     if not isinstance(node, ast.AST):
         return repr(node)
-    # Prose (PROSE) is masked: only the fields of an f-string count, in any order.
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        if re.search(PROSE, node.value):
-            return "Prose()"
-    if isinstance(node, ast.JoinedStr):
-        words = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
-        fields = [canonical(v) for v in node.values if not isinstance(v, ast.Constant)]
+    if isinstance(node, ast.Constant | ast.JoinedStr):
+        parts = node.values if isinstance(node, ast.JoinedStr) else [node]
+        words = "".join(p.value for p in parts if isinstance(getattr(p, "value", 0), str))
         if re.search(PROSE, words):
-            return f"Prose({', '.join(sorted(fields))})"
-    body = getattr(node, "body", None)
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
-        first = body[0]
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-            if isinstance(first.value.value, str):  # a docstring
-                node = type(node)(**{**vars(node), "body": body[1:] or [ast.Pass()]})
+            fields = sorted(canonical(p) for p in parts if not isinstance(p, ast.Constant))
+            return f"Prose({', '.join(fields)})"
+    definition = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    if definition and ast.get_docstring(node, clean=False) is not None:
+        node = type(node)(**{**vars(node), "body": node.body[1:] or [ast.Pass()]})
     skip = {"ctx", "kind", "type_comment", "type_params"}
     fields = [
         f"{name}={canonical(value)}"
@@ -284,89 +279,59 @@ def canonical(node) -> str:
     return f"{type(node).__name__}({', '.join(fields)})"
 
 
-def code_of(value, home: str) -> str:
-    """A function's code (its decorators included); a class's code. A class of the lesson
-    (module `home`, a kernel's) counts by its bases, fields and members, so a method added
-    in a later cell counts; a class of a project file counts by its text in the file."""
-    if isinstance(value, type) and value.__module__ == home:
-        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
-        parts = [f"class {value.__qualname__}({[b.__qualname__ for b in value.__bases__]})"]
-        default = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-        parts += [f"{f.name}: {f.type} = {default.get(f.name, '')!r}" for f in fields]
-        for name, member in sorted(vars(value).items()):
-            function = members_code(member)
-            if function is not None and not is_lesson_code(function, value.__module__):
-                continue  # a test's or a tool's stand-in: not the lesson's code
-            made = {"<string>", dataclasses.__file__}  # where @dataclass makes its methods
-            if function is not None and function.__code__.co_filename in made:
-                parts.append(name)  # made from the fields above
-            elif function is not None:
-                parts.append(f"{name}: {code_of(function, home)}")
-            elif isinstance(member, int | float | str | bool | tuple) and name[:2] != "__":
-                parts.append(f"{name} = {member!r}")
-        return "\n".join(parts)
-    try:
-        return canonical(ast.parse(textwrap.dedent(inspect.getsource(value))))
-    except (OSError, TypeError, SyntaxError) as error:
-        raise CheckpointError(
-            say(
-                "cannot read the code of {name} ({error}): define it in a cell "
-                "or a file, so that the run's folder can be named by it",
-                name=value.__qualname__,
-                error=error,
-            )
-        ) from error
-
-
-def members_code(member):
-    """The function behind a class member (a method, property, static or class method)."""
-    member = member.fget if isinstance(member, property) else member
-    function = inspect.unwrap(getattr(member, "__func__", member))
-    return function if inspect.isfunction(function) else None
-
-
-def reached_from(value) -> Iterator[tuple[str, dict]]:
-    """The global names a function or class uses, each with the namespace to look it up in.
-
-    `trainer.start` names both `trainer` and `start`: a name is also looked up in the
-    project's modules that the code names. Default arguments count too."""
-    if isinstance(value, type):
-        for base in value.__bases__:
-            yield base.__name__, {base.__name__: base}
-        for member in vars(value).values():
-            function = members_code(member)
-            if function is not None and is_lesson_code(function, value.__module__):
-                yield from reached_from(function)
-        return
-
-    def names_in(code: types.CodeType) -> set[str]:
-        inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        return set(code.co_names).union(*(names_in(c) for c in inner))
-
-    scope, names = value.__globals__, names_in(value.__code__)
-    modules = [scope[n] for n in names if isinstance(scope.get(n), types.ModuleType)]
-    modules = [m for m in modules if Path(getattr(m, "__file__", "/")).parent == PROJECT]
-    for name in sorted(names):
-        yield name, scope
-        yield from ((name, vars(m)) for m in modules if name in vars(m))
-    defaults = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
-    for default in defaults:
-        kind = default if callable(default) and hasattr(default, "__qualname__") else None
-        kind = kind or type(default)
-        yield kind.__name__, {kind.__name__: kind}
+def in_project(value) -> bool:
+    """Whether a module, function or class is defined in a file of this project."""
+    with contextlib.suppress(TypeError):  # built in, or a class of a kernel: no file
+        return Path(inspect.getfile(value)).resolve().parent == PROJECT
+    return False
 
 
 def is_lesson_code(value, home: str) -> bool:
-    """A function or class of the lesson (module `home`) or of a module of this project."""
-    if not (inspect.isfunction(value) or isinstance(value, type)):
-        return False
-    if getattr(value, "__module__", None) == home:
-        return True
+    """A function or class of the lesson (module `home`) or of a file of this project."""
+    definition = inspect.isfunction(value) or isinstance(value, type)
+    return definition and (value.__module__ == home or in_project(value))
+
+
+def read_code(value, home: str) -> tuple[str, list[tuple[str, dict]]]:
+    """A definition's code, and the names it uses, each with where to look it up.
+
+    A function counts by its syntax tree, decorators and default arguments included; a name
+    is looked up in its module, and in the project's modules it names (`trainer.start`). A
+    class of the lesson counts by its bases, its dataclass fields and its members, so a
+    method assigned in a later cell counts; the methods that @dataclass writes count by
+    those fields. A class of a project file counts by its text in the file."""
+    if isinstance(value, type) and value.__module__ == home:
+        text = [f"class {value.__qualname__}({[b.__qualname__ for b in value.__bases__]})"]
+        used = [(b.__name__, {b.__name__: b}) for b in value.__bases__]
+        for f in dataclasses.fields(value) if dataclasses.is_dataclass(value) else ():
+            default = "" if f.default is dataclasses.MISSING else f.default
+            text.append(f"{f.name}: {f.type} = {default!r}")
+        for name, member in sorted(vars(value).items()):
+            member = member.fget if isinstance(member, property) else member
+            function = inspect.unwrap(getattr(member, "__func__", member))
+            made = {"<string>", dataclasses.__file__}  # where @dataclass writes its methods
+            if not inspect.isfunction(function):
+                if isinstance(member, int | float | str | bool | tuple) and name[:2] != "__":
+                    text.append(f"{name} = {member!r}")
+            elif function.__code__.co_filename in made:
+                text.append(name)  # made from the fields above
+            elif is_lesson_code(function, value.__module__):  # not a test's or a tool's stand-in
+                code, names = read_code(function, home)
+                text, used = [*text, f"{name}: {code}"], used + names
+        return "\n".join(text), used
     try:
-        source = inspect.getsourcefile(value)
-    except TypeError:  # built in
-        return False
-    return source is not None and Path(source).resolve().parent == PROJECT
+        tree = ast.parse(textwrap.dedent(inspect.getsource(value)))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise CheckpointError(
+            say("cannot read the code of {name} ({error}): define it in a cell or a file, "
+                "so that the run's folder can be named by it", name=value.__qualname__,
+                error=error)
+        ) from error  # fmt: skip
+    names = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(tree)} - {None}
+    scope = vars(sys.modules[value.__module__]) if isinstance(value, type) else value.__globals__
+    modules = [scope[n] for n in names if isinstance(scope.get(n), types.ModuleType)]
+    scopes = [scope, *(vars(m) for m in modules if in_project(m))]
+    return canonical(tree), [(n, s) for n in sorted(names) for s in scopes if n in s]
 
 
 def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
@@ -388,8 +353,9 @@ def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
         if label in found or name not in scope:
             continue
         if is_lesson_code(value, home):
-            found[label] = fingerprint(code_of(value, home))
-            todo += reached_from(value)
+            code, used = read_code(value, home)
+            found[label] = fingerprint(code)
+            todo += used
         elif name.isupper() and isinstance(value, int | float | str | bool | tuple | frozenset):
             found[label] = repr(value)  # MAX_POSITIONS, SPECIALS and the like
     return dict(sorted(found.items()))
