@@ -3869,7 +3869,7 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
-# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, about 15 minutes.
+# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, about 18 minutes.
 # * **Model**: N = 6, $d_{\text{model}}$ = 512, post-norm. Here: smaller, pre-norm.
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
