@@ -118,7 +118,8 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
         setattr(kept["state"], name, value)
     restore_random_states(checkpoint["random"][rank])
     epoch, step = len(checkpoint["history"]) - 1, kept["state"].step
-    print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
+    if rank == 0:  # once, not once per process
+        print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
     return checkpoint["history"]
 
 
