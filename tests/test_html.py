@@ -209,7 +209,7 @@ def assert_self_contained(text: str) -> None:
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
-    assert charts == len(export_html.chart_specs(notebook)) == 10
+    assert charts == len(export_html.chart_specs(notebook)) == 11
     assert_self_contained(text)
     assert '<html lang="en">' in text
 
@@ -255,6 +255,13 @@ def test_the_chinese_page_is_self_contained_and_says_its_language(page, zh_page)
     assert re.search(r"[\u4e00-\u9fff]", prose), "the first markdown cell is not in Chinese"
 
 
+def explorer_numbers(notebook) -> list[int]:
+    """The numbers of the attention explorers among the page's charts (Part 8's, not the last
+    charts since Part 11 draws one more)."""
+    specs = export_html.chart_specs(notebook)
+    return [i for i, spec in enumerate(specs) if spec in explorers(notebook)]
+
+
 def explorers(notebook) -> list[dict]:
     """The specs of the attention explorers: the charts with a layer and a head menu."""
     specs = export_html.chart_specs(notebook)
@@ -296,8 +303,8 @@ def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
     assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {console}"
     assert console == [], f"the page logged: {console}"
-    # a copy of the page that shows only the cells of the three heatmaps (the last charts)
-    heatmaps = ", ".join(f"#altair-chart-{i}" for i in range(charts - 3, charts))
+    # a copy of the page that shows only the cells of the three heatmaps (Part 8's explorers)
+    heatmaps = ", ".join(f"#altair-chart-{i}" for i in explorer_numbers(page[0]))
     style = f"<style>.jp-Cell:not(:has({heatmaps})) {{ display: none; }}</style>"
     head, tail = html.read_text(encoding="utf-8").rsplit("</body>", 1)  # the last one
     scrolled = tmp_path / "heatmaps.html"
@@ -327,9 +334,10 @@ def test_explorer_menus_redraw_the_chart_offline(page):
     cross-attention explorer; the screenshot shows it after the change."""
     notebook, html, charts = page
     heads = max(explorers(notebook)[-1]["params"][1]["bind"]["options"])
+    last = explorer_numbers(notebook)[-1]  # the cross-attention explorer
     with offline_page(height=1400) as (browser, blocked):
         browser.goto(html.as_uri())
-        chart = browser.locator(f"#altair-chart-{charts - 1}")  # the last chart of the page
+        chart = browser.locator(f"#altair-chart-{last}")
         cells = chart.locator("g.mark-rect path")
         cells.first.wait_for(timeout=30_000)
 
@@ -341,7 +349,7 @@ def test_explorer_menus_redraw_the_chart_offline(page):
         browser.wait_for_function(
             "([selector, old]) => [...document.querySelectorAll(selector)]"
             ".map(p => p.getAttribute('fill')).join() !== old",
-            arg=[f"#altair-chart-{charts - 1} g.mark-rect path", ",".join(before)],
+            arg=[f"#altair-chart-{last} g.mark-rect path", ",".join(before)],
             timeout=10_000,
         )
         after = colours()
@@ -415,11 +423,12 @@ def test_the_chinese_page_draws_every_chart_and_every_glyph_offline(zh_page):
         glyphs = browser.evaluate(MISSING_GLYPHS, "div.jp-RenderedMarkdown")
         browser.screenshot(path=BUILD / "zh_top.png")
         heading = "h2:has(> a[id='Part-1:-the-model'])"
-        fonts = platform_fonts(browser, heading)
         browser.locator(heading).evaluate("h => h.scrollIntoView()")
         browser.screenshot(path=BUILD / "zh_part1.png")
-    assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {console}"
-    assert console == [], f"the page logged: {console}"
+        logged = list(console)  # the page's own: DevTools' CSS domain, next, logs a file: error
+        fonts = platform_fonts(browser, heading)
+    assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {logged}"
+    assert logged == [], f"the page logged: {logged}"
     assert blocked == [], "the page reached for the network"
     assert glyphs["characters"] > 500, glyphs  # the page's prose is Chinese
     if glyphs["missing"] and not cjk_font_installed():  # under CI=true, a failure

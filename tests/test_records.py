@@ -17,6 +17,7 @@ HEADINGS = (
     "## Tuning on a 2-core Xeon (first preset)",
     "## Tuning on a 2-core AMD EPYC",
     "## Benchmarks",
+    "## Today's block beside the paper's",
 )
 
 

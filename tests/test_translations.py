@@ -324,7 +324,7 @@ def test_the_contents_link_texts_are_the_headings_they_point_to():
                 *re.findall(r'<a id="([^"]+)"></a>', block.msgid),
             ]:
                 headings[target] = name
-    assert len(links) == 12  # Prelims, Background and the ten parts
+    assert len(links) == 13  # Prelims, Background and the eleven parts
     differ = []
     for label, target in links:
         heading = re.sub(r"^第 \d+ 部分：", "", headings[target])

@@ -596,6 +596,46 @@ def bench_section(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def blocks_section(record: dict) -> str:
+    """Part 11's comparison: the paper's block and today's, the same preset and seeds."""
+    runs = record["runs"]
+    head = ["run", "block", "seed", "parameters", "val BLEU after epoch 0", "last epoch",
+            "val loss, last epoch", "test2016 greedy", "test2016 beam", "s an epoch"]  # fmt: skip
+    rows = [
+        [
+            r["run"],
+            r["block"],
+            str(r["seed"]),
+            f"{r['parameters']:,}",
+            f"{r['val_bleu_greedy_per_epoch'][0]:.1f}",
+            f"{r['val_bleu_greedy_per_epoch'][-1]:.1f}",
+            f"{r['val_loss_per_epoch'][-1]:.3f}",
+            f"{r['test2016_bleu_greedy']:.1f}",
+            f"{r['test2016_bleu_beam']:.1f}",
+            f"{sum(r['epoch_seconds_training']) / len(r['epoch_seconds_training']):.0f}",
+        ]  # fmt: skip
+        for r in runs
+    ]
+    parts = [
+        "## Today's block beside the paper's",
+        "",
+        f"{link(record)}: the notebook's Part 11 draws its chart and table from it. "
+        f"{sentence(record['source'])} Made {record['made']} on a {record['machine']['short']}, "
+        f"with `{record['command']}`.",
+        "",
+        table(head, rows),
+        "",
+        "Validation BLEU (greedy) after each epoch:",
+        "",
+        per_epoch_table(
+            [(f"{r['block']}, seed {r['seed']}", r["val_bleu_greedy_per_epoch"]) for r in runs]
+        ),
+    ]
+    if record.get("speed"):
+        parts += ["", sentence(record["speed"]["summary"])]
+    return "\n".join(parts)
+
+
 def machines_section(records: list[dict]) -> str:
     """One row per machine as the records describe it, with the records made on it."""
     machines: dict[tuple, list[str]] = {}
@@ -633,7 +673,8 @@ def document(records: list[dict]) -> str:
             r["file"], (f"Tuning on a {r['machine']['short']} ({r['file']})", epyc_section)
         )
         tunings.append(section(r, heading))
-    sections = [intro, make_run_section(records), *tunings]
+    blocks = [blocks_section(r) for r in records if r["kind"] == "blocks"]
+    sections = [intro, make_run_section(records), *tunings, *blocks]
     sections += [bench_section(records), machines_section(records)]
     return "\n\n".join(sections) + "\n"
 
