@@ -4,7 +4,6 @@
     .venv/bin/python tools/blocks.py --block 2017 --seed 43
     .venv/bin/python tools/blocks.py --speed
 
-
 Each run trains with the notebook's own loop (`train`, from its `.py` twin; `--block
 modern` hands it `modern_model_for`) into data/blocks/checkpoints/ (a finished run there is
 loaded, not trained again), then appends one JSON line to build/blocks.jsonl: parameters,
@@ -40,12 +39,17 @@ def speed(settings, data, device, rounds: int = 6, steps: int = 20) -> dict:
     """Median seconds of a training step of each block, timed in turns on the same batches."""
     en = data.vocabs["en"]
     batches = at.batches_for(data.train, en.pad_id, settings, device)[: rounds * steps]
+    if len(batches) < rounds * steps:
+        raise SystemExit(
+            f"blocks: --speed times {rounds * steps} batches, and an epoch of this preset "
+            f"has {len(batches)}: use --preset cpu"
+        )
     seconds: dict[str, list[float]] = {block: [] for block in BUILDERS}
     learners = {}
+    steps_of_run = at.total_steps(data.train, settings)  # the run's schedule, its first steps
     for block in BUILDERS:
         model = (at.modern_model_for if block == "modern" else at.model_for)(settings, data.vocabs)
         criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
-        steps_of_run = at.total_steps(data.train, settings)  # the run's schedule, its first steps
         optimizer, schedule = at.make_optimizer(model, settings, total_steps=steps_of_run)
         learners[block] = (model.to(device), criterion, optimizer, schedule)
     for r in range(rounds):
