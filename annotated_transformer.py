@@ -1642,7 +1642,7 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 # * no label smoothing, as a copy has one right answer;
 # * accumulation over two micro-batches, to exercise it.
 #
-# Each epoch draws 40 fresh batches of 128, so the model must learn the rule. Every 5
+# Each epoch draws 40 fresh batches of 64, so the model must learn the rule. Every 5
 # epochs it prints the loss on 4 unseen batches: slow to fall during warm-up, then down
 # by orders of magnitude once the decoder attends to the position it copies.
 
@@ -1671,10 +1671,10 @@ def train_copy_task(
     data = torch.Generator().manual_seed(seed)
     state = TrainState()
     for epoch in range(1, epochs + 1):
-        batches = [make_batch(128, 10, data) for _ in range(batches_per_epoch)]
+        batches = [make_batch(64, 10, data) for _ in range(batches_per_epoch)]
         run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2, state=state)
         if epoch % 5 == 0:
-            val_loss = evaluate([make_batch(128, 10, data) for _ in range(4)], model, criterion)
+            val_loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
             print(f"epoch {epoch:2d}  optimizer steps {state.step:4d}  val loss {val_loss:.4f}")
     return model
 
@@ -3035,9 +3035,9 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 
 # %% active="ipynb"
 # curve_rows = [
-#     {"epoch": h["epoch"], "series": f"{split} loss", "value": h[f"{split}_loss"]}
+#     {"epoch": h["epoch"], "series": name, "value": h[f"{split}_loss"]}
 #     for h in history
-#     for split in ("train", "val")
+#     for split, name in (("train", "training loss"), ("val", "validation loss"))
 # ]
 # bleu_rows = [
 #     {"epoch": h["epoch"], "series": "val BLEU", "value": h["val_bleu"]} for h in history
@@ -3059,7 +3059,11 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # losses_chart = (
 #     alt.Chart(pd.DataFrame(curve_rows), title="Label-smoothed loss")
 #     .mark_line(point=True)
-#     .encode(x=alt.X("epoch:O", title="epoch number"), y=alt.Y("value", title=""), color="series")
+#     .encode(
+#         x=alt.X("epoch:O", title="epoch number"),
+#         y=alt.Y("value", title=""),
+#         color=alt.Color("series", title=None),
+#     )
 # )
 # bleu_chart = (
 #     alt.Chart(pd.DataFrame(bleu_rows), title="Validation BLEU (greedy)")
@@ -3090,7 +3094,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # %% active="ipynb"
 # learning = pd.DataFrame(
 #     [*[h["watched"] for h in history], [data.val_text[i][1] for i in WATCHED_SENTENCES]],
-#     index=[f"epoch {h['epoch']}" for h in history] + ["reference"],
+#     index=[f"after epoch {h['epoch']}" for h in history] + ["the reference"],
 #     columns=[data.val_text[i][0] for i in WATCHED_SENTENCES],
 # )
 # assert learning.shape == (len(history) + 1, len(WATCHED_SENTENCES))
@@ -3404,7 +3408,12 @@ def beam_trace(k: int) -> list[dict]:
             fate = "is finished" if word == 0 and rank < k else fate
             words = [TRACE_WORDS[i] for i in ys[beam, 1:].tolist()] + [TRACE_WORDS[word]]
             rows.append(
-                {"step": t, "candidate": " ".join(words), "log-prob": round(score, 2), "fate": fate}
+                {
+                    "decoding step": t,
+                    "candidate words": " ".join(words),
+                    "total log-prob": round(score, 2),
+                    "its fate": fate,
+                }
             )
     return rows
 
@@ -3418,11 +3427,11 @@ def beam_trace(k: int) -> list[dict]:
 #     scorer=Scripted,
 # )
 # trace = pd.DataFrame(beam_trace(k=2))
-# display(trace.set_index(["step", "candidate"]))
+# display(trace.set_index(["decoding step", "candidate words"]))
 # assert [TRACE_WORDS[i] for i in answer[0].tolist()] == ["<s>", "a", "dog", "</s>"]
 # fates = ["goes on"] * 2 + ["is dropped"] * 2  # steps 1 and 2 alike
-# assert list(trace["fate"]) == fates + fates + ["is finished"] * 2 + ["goes on"] * 2
-# assert trace.loc[trace["candidate"] == "a </s>", "fate"].tolist() == ["is dropped"]
+# assert list(trace["its fate"]) == fates + fates + ["is finished"] * 2 + ["goes on"] * 2
+# assert trace.loc[trace["candidate words"] == "a </s>", "its fate"].tolist() == ["is dropped"]
 
 
 # %% [markdown]
@@ -3698,9 +3707,9 @@ def readable(token: str) -> str:
 
 
 # %%
-def menu(name: str, count: int, value: int) -> alt.Parameter:
+def menu(name: str, label: str, count: int, value: int) -> alt.Parameter:
     """A chart parameter, `value` at first, that a menu of 0 ... count - 1 sets in the browser."""
-    options = alt.binding_select(options=list(range(count)), name=f"{name} ")
+    options = alt.binding_select(options=list(range(count)), name=f"{label} ")
     return alt.param(name=name, value=value, bind=options)
 
 
@@ -3717,7 +3726,8 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
         for i in range(len(queries))
         for j in range(len(keys))
     ]
-    layer, head = menu("layer", len(weights), len(weights) - 1), menu("head", len(heads), 0)
+    layer = menu("layer", "which layer", len(weights), len(weights) - 1)
+    head = menu("head", "which head", len(heads), 0)
     side = 14 * max(len(queries), len(keys)) + 40  # pixels
     return (
         alt.Chart(pd.DataFrame(rows), title=title)
@@ -3728,8 +3738,14 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
         .encode(
             x=alt.X("key:N", sort=key_labels, title="key: the word read"),
             y=alt.Y("query:N", sort=query_labels, title="query: the word reading"),
-            color=alt.Color("weight:Q", scale=alt.Scale(scheme="blues", domain=[0, 1])),
-            tooltip=["query:N", "key:N", alt.Tooltip("weight:Q", format=".3f")],
+            color=alt.Color(
+                "weight:Q", title="attention weight", scale=alt.Scale(scheme="blues", domain=[0, 1])
+            ),
+            tooltip=[
+                alt.Tooltip("query:N", title="the word reading"),
+                alt.Tooltip("key:N", title="the word read"),
+                alt.Tooltip("weight:Q", title="attention weight", format=".3f"),
+            ],
         )
         .properties(width=side, height=side)
     )

@@ -4,8 +4,8 @@ on an untouched starter.
 nbval (`make test`) runs every solution and check. Here the notebook runs once more with
 its solution cells removed: every check must then stop with its AssertionError, and no
 other cell may fail, so no lesson cell depends on an exercise. To keep that run cheap, it
-leaves out the cells that train or use a trained model: no exercise needs them, since an
-untouched starter stops its check at once.
+leaves out the cells that train or use a trained model, and the sub-word cells: no
+exercise needs them, since an untouched starter stops its check at once.
 """
 
 import ast
@@ -71,8 +71,9 @@ def test_every_part_has_its_exercises_in_starter_solution_check_order():
             assert "filled(" in cell.source  # the first test: a clear message on a gap
 
 
-# names whose top-level use marks a cell that trains, or needs what training made
-TRAINED = {"train_copy_task", "trainer", "model", "history", "maps", "copy_model"}
+# names whose top-level use marks a cell that trains, or needs what training made, or
+# learns sub-word merges (seconds, and no exercise needs them)
+TRAINED = {"train_copy_task", "trainer", "model", "history", "maps", "copy_model", "SUBWORD_MERGES"}
 
 
 def top_level_names(cell) -> tuple[set[str], set[str]]:
@@ -122,6 +123,7 @@ def test_the_cheap_run_leaves_out_the_training_cells_only():
     left_out = [c.source for c in training_cells(notebook)]
     assert any("trainer.load_final" in source for source in left_out)
     assert any("train_copy_task()" in source for source in left_out)
+    assert any("bpe_merges=SUBWORD_MERGES" in source for source in left_out)
     assert not any(source.lstrip().startswith(("def ", "class ")) for source in left_out)
 
 

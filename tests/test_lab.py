@@ -32,33 +32,42 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("notebook", EDITIONS)
-def test_jupyterlab_draws_the_first_chart_offline(notebook, tmp_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab server for both editions, on copies (Lab may save; never touch ours)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     root = tmp_path / "project"
     root.mkdir()
-    shutil.copy(ROOT / notebook, root / notebook)  # Lab may save it; never touch ours
-    screenshot = EDITIONS[notebook]
+    for notebook in EDITIONS:
+        shutil.copy(ROOT / notebook, root / notebook)
     env = {"AT_PRESET": "smoke", "AT_BUILD_DIR": str(tmp_path / "build")}
     with jupyterlab(root, tmp_path / "home", env=env) as (url, token):
-        with offline_page(height=1200) as (page, blocked):
-            open_notebook(page, url, token, notebook)
-            kernel = page.locator("[data-jp-item-name='kernelName']")
-            expect(kernel).to_have_text("Annotated Transformer (.venv)", timeout=30_000)
-            # Select the chart's cell, then Run › Run All Above Selected Cell, then Shift+Enter.
-            cell = page.locator(".jp-CodeCell").filter(has_text=FIRST_CHART)
-            cell.locator(".jp-InputArea-prompt").click()
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_text("Run All Above Selected Cell", exact=True).click()
-            page.wait_for_timeout(1000)
-            wait_idle(page, timeout=120)
-            cell.locator(".jp-InputArea-prompt").click()
-            page.keyboard.press("Shift+Enter")
-            cell.locator(".jp-OutputArea-output svg.marks, canvas.marks").wait_for(timeout=60_000)
-            cell.scroll_into_view_if_needed()
-            screenshot.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=screenshot)
-            assert charts_drawn(page) == 1
-            assert error_outputs(page) == []
-            assert network_is_cut(page), "Chromium could reach the internet"
-            assert all(not u.startswith("http://127.0.0.1") for u in blocked)
+        yield url, token
+
+
+@pytest.mark.parametrize("notebook", EDITIONS)
+def test_jupyterlab_draws_the_first_chart_offline(notebook, lab):
+    url, token = lab
+    screenshot = EDITIONS[notebook]
+    with offline_page(height=1200) as (page, blocked):
+        open_notebook(page, url, token, notebook)
+        kernel = page.locator("[data-jp-item-name='kernelName']")
+        expect(kernel).to_have_text("Annotated Transformer (.venv)", timeout=30_000)
+        # Select the chart's cell, then Run › Run All Above Selected Cell, then Shift+Enter.
+        cell = page.locator(".jp-CodeCell").filter(has_text=FIRST_CHART)
+        cell.locator(".jp-InputArea-prompt").click()
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_text("Run All Above Selected Cell", exact=True).click()
+        page.wait_for_timeout(1000)
+        wait_idle(page, timeout=120)
+        cell.locator(".jp-InputArea-prompt").click()
+        page.keyboard.press("Shift+Enter")
+        cell.locator(".jp-OutputArea-output svg.marks, canvas.marks").wait_for(timeout=60_000)
+        cell.scroll_into_view_if_needed()
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=screenshot)
+        assert charts_drawn(page) == 1
+        assert error_outputs(page) == []
+        assert network_is_cut(page), "Chromium could reach the internet"
+        assert all(not u.startswith("http://127.0.0.1") for u in blocked)
     assert screenshot.stat().st_size > 20_000  # a blank page compresses to under 10 kB
