@@ -291,14 +291,14 @@ class PositionalEncoding(nn.Module):
 # assert pe_values.abs().max() <= 1.0
 # pe_frame = pd.DataFrame(
 #     [
-#         {"position": p, "dimension": f"dim {d}", "value": pe_values[p, d].item()}
+#         {"position": p, "dimension": d, "value": pe_values[p, d].item()}
 #         for p in range(100)
 #         for d in (4, 5, 6, 7)
 #     ]
 # )
 # alt.Chart(pe_frame, title="Positional encoding, dimensions 4 to 7").mark_line().encode(
 #     x=alt.X("position", title="token position"), y=alt.Y("value", title="encoding value"),
-#     color=alt.Color("dimension", title="which dimension"),
+#     color=alt.Color("dimension:N", title="which dimension"),
 # ).properties(width=600, height=200)
 
 # %% [markdown]
@@ -1123,7 +1123,7 @@ class LabelSmoothing(nn.Module):
 # assert target_dist[2].sum() == 0
 # dist_frame = pd.DataFrame(
 #     [
-#         {"position": f"position {i}", "word": w, "target probability": target_dist[i, w].item()}
+#         {"position": i, "word": w, "target probability": target_dist[i, w].item()}
 #         for i in range(3)
 #         for w in range(5)
 #     ]
@@ -1690,8 +1690,8 @@ def train_copy_task(
 # copy_model = train_copy_task()
 # held_out = copy_batch(100, 10, torch.Generator().manual_seed(12345))
 # copied = greedy_decode(copy_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
-# print("source:", held_out.src[0].tolist())
-# print("output:", copied[0].tolist())
+# print("a held-out source:", held_out.src[0].tolist())
+# print("the model's copy: ", copied[0].tolist())
 # assert torch.equal(copied, held_out.src), (
 #     "the copy model must reproduce every held-out sequence"
 # )
@@ -1865,7 +1865,7 @@ BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 # %% active="ipynb"
 # raw = {split: load_pairs(split, DATA_DIR) for split in ("train", "val", "test_2016_flickr")}
 # for split, pairs in raw.items():
-#     print(f"{split:18s} {len(pairs):6,d} pairs")
+#     print(f"{split:18s} {len(pairs):6,d} sentence pairs")
 # assert [len(raw[s]) for s in raw] == [29000, 1014, 1000]
 # for de, en in raw["train"][:3]:
 #     print(f"  de: {de}\n  en: {en}")
@@ -2189,9 +2189,9 @@ def compare_vocabularies(tokens: dict, candidates: dict[str, dict]) -> list[dict
         tables = [de, en] if de is not en else [en]  # a joint vocabulary is one matrix
         rows.append(
             {
-                "vocabulary": name,
-                "German": len(de),
-                "English": len(en),
+                "which vocabulary": name,
+                "German entries": len(de),
+                "English entries": len(en),
                 "German tokens a sentence": mean(len(de.pieces(s)) for s in tokens["train"]["de"]),
                 "English tokens a sentence": mean(len(en.pieces(s)) for s in tokens["train"]["en"]),
                 "unknown test tokens": f"{sum(u not in en.stoi for u in test) / len(test):.2%}",
@@ -2206,8 +2206,9 @@ def compare_vocabularies(tokens: dict, candidates: dict[str, dict]) -> list[dict
 # joint = subword_vocabs["de"]
 # print(f"{SUBWORD_MERGES:,} merges: {len(joint):,} pieces for both languages")
 # print(joint.pieces(["Eine", "Frau", "liest", "über", "Quantencomputer", "."]))
-# vocab_rows = compare_vocabularies(tokens, {"words": vocabs, "sub-words": subword_vocabs})
-# display(pd.DataFrame(vocab_rows).round(1).set_index("vocabulary"))
+# vocab_candidates = {"whole words": vocabs, "sub-word pieces": subword_vocabs}
+# vocab_rows = compare_vocabularies(tokens, vocab_candidates)
+# display(pd.DataFrame(vocab_rows).round(1).set_index("which vocabulary"))
 # assert subword_vocabs["en"] is joint and "Quantencomputer" not in joint.stoi
 # assert all(piece in joint.stoi for piece in joint.pieces(["Quantencomputer"]))
 # assert vocab_rows[1]["embedding parameters"] < vocab_rows[0]["embedding parameters"] / 1.5
@@ -2412,7 +2413,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 
 # %% active="ipynb" tags=["check"]
 # trade = {m: filled(vocabulary_trade_off(m)) for m in (1, 2, 5)}
-# print(pd.DataFrame.from_dict(trade, orient="index", columns=["words", "unknown share"]))
+# print(pd.DataFrame.from_dict(trade, orient="index", columns=["vocabulary size", "unknown share"]))
 # vocab = build_vocab(tokens["train"]["en"], 2)
 # ids = [i for sentence in tokens["val"]["en"] for i in vocab.encode(sentence)]
 # unknown_share = ids.count(vocab.unk_id) / len(ids)
@@ -3130,9 +3131,11 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 
 # %% active="ipynb"
 # budget_shapes = {
-#     "paper: 100,000 steps, warm-up 4,000": relative_rates(100_000, 4000, "inverse_sqrt"),
-#     "paper's shape, 3,000 steps, warm-up 200": relative_rates(3000, 200, "inverse_sqrt"),
-#     "linear, 3,000 steps, warm-up 200": relative_rates(3000, 200, "linear"),
+#     "the paper's run, 100,000 steps, warm-up 4,000": relative_rates(
+#         100_000, 4000, "inverse_sqrt"
+#     ),
+#     "the paper's shape, 3,000 steps, warm-up 200": relative_rates(3000, 200, "inverse_sqrt"),
+#     "linear to zero, 3,000 steps, warm-up 200": relative_rates(3000, 200, "linear"),
 # }
 # last_rates = [rates[-1] for rates in budget_shapes.values()]
 # assert math.isclose(last_rates[0], 0.2, rel_tol=1e-3)  # a fifth of the peak
@@ -3185,8 +3188,8 @@ EXAMPLE_SENTENCES = (0, 1, 2, 3, 4)
 # examples = [data.val[i][0] for i in EXAMPLE_SENTENCES]
 # greedy_out = translate(model, examples, data.vocabs)
 # for i, g in zip(EXAMPLE_SENTENCES, greedy_out, strict=True):
-#     print(f"German:    {data.val_text[i][0]}\nreference: {data.val_text[i][1]}")
-#     print(f"greedy:    {detokenize(g)}\n")
+#     print(f"German source:   {data.val_text[i][0]}\nits reference:   {data.val_text[i][1]}")
+#     print(f"greedy decoding: {detokenize(g)}\n")
 # assert len(greedy_out) == len(EXAMPLE_SENTENCES)
 
 # %% [markdown]
@@ -3275,8 +3278,9 @@ def beam_candidates(scores: Tensor, log_probs: Tensor, end_id: int) -> dict:
 # assert [words[w] for w in candidates["word"][0]] == ["dogs", "man"]  # "two dogs", "a man" go on
 # assert candidates["beam"][0].tolist() == [1, 0]
 # live_beams = zip(*(candidates[key][0].tolist() for key in ("beam", "word", "scores")))
-# print(f"finished: a </s> ({candidates['finished'][0, 0]:.2f})")
-# print("live:", ", ".join(f"{['a', 'two'][b]} {words[w]} ({s:.2f})" for b, w, s in live_beams))
+# print(f"finished beam: a </s> ({candidates['finished'][0, 0]:.2f})")
+# going_on = [f"{['a', 'two'][b]} {words[w]} ({s:.2f})" for b, w, s in live_beams]
+# print("live beams:", ", ".join(going_on))
 
 # %% [markdown]
 # The search runs the steps for a batch. Each sentence owns $k$ rows of the prefixes,
@@ -3462,8 +3466,8 @@ def beam_trace(k: int) -> list[dict]:
 # beam = {"search": beam_searcher(settings.beam_size, settings.length_penalty)}
 # beam_out = translate(model, examples, data.vocabs, **beam)
 # for i, g, b in zip(EXAMPLE_SENTENCES, greedy_out, beam_out, strict=True):
-#     print(f"reference: {data.val_text[i][1]}")
-#     print(f"greedy:    {detokenize(g)}\nbeam:      {detokenize(b)}\n")
+#     print(f"its reference:   {data.val_text[i][1]}")
+#     print(f"greedy decoding: {detokenize(g)}\nbeam search:     {detokenize(b)}\n")
 # val_greedy, val_beam = validation_bleu(model, data), validation_bleu(model, data, **beam)
 # print(f"validation BLEU: greedy {val_greedy:.1f}, beam {val_beam:.1f}")
 # assert len(beam_out) == len(EXAMPLE_SENTENCES) and 0 <= min(val_greedy, val_beam) <= 100
@@ -3518,9 +3522,9 @@ MY_SENTENCES = [
 # %% active="ipynb"
 # for german in MY_SENTENCES:
 #     english = translate_text(model, german, data)
-#     print(f"German:  {german}\nEnglish: {english}")
-#     print(f"read as: {data.vocabs['de'].pieces(german_tokens(german))}")
-#     print(f"unknown: {unknown_words(german, data.vocabs) or 'none'}\n")
+#     print(f"German sentence: {german}\nour translation: {english}")
+#     print(f"read as:         {data.vocabs['de'].pieces(german_tokens(german))}")
+#     print("unknown words:  ", unknown_words(german, data.vocabs) or "not one", end="\n\n")
 #     assert isinstance(english, str) and "<s>" not in english and "@@" not in english
 # quantum_unknown = "Quantencomputer" in unknown_words(MY_SENTENCES[2], data.vocabs)
 # assert quantum_unknown == (data.vocabs["de"].merges is None)
@@ -3561,11 +3565,11 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 
 # %% active="ipynb"
 # test_results = evaluate_test(model, data, settings)
-# for method in ("greedy", "beam"):
+# for method, name in (("greedy", "greedy decoding"), ("beam", "beam search")):
 #     bleu = test_results[f"test2016_bleu_{method}"]
 #     lowered = test_results[f"test2016_bleu_{method}_lowercase_tokenized"]
 #     seconds = test_results[f"{method}_seconds"]
-#     print(f"test2016 BLEU, {method:6s}: {bleu:.1f} ", end="")
+#     print(f"test2016 BLEU, {name}: {bleu:.1f} ", end="")
 #     print(f"(lower-cased tokenized: {lowered:.1f}; decoding took {seconds:.1f} s)")
 # print("sacreBLEU signature:", test_results["bleu_signature"])
 # # the standard the prose promises: one reference, cased, sacreBLEU's own 13a tokenizer
@@ -3604,9 +3608,10 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 #     return log_prob / length_penalty(torch.tensor(float(length)), alpha).item()
 #
 #
-# for alpha, winner in [(filled(tie_alpha) - 0.001, "short"), (tie_alpha + 0.001, "long")]:
+# short_wins, long_wins = "the short sentence wins", "the long sentence wins"
+# for alpha, winner in [(filled(tie_alpha) - 0.001, short_wins), (tie_alpha + 0.001, long_wins)]:
 #     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
-#     assert (short > long) == (winner == "short"), f"alpha {alpha:.3f}: the {winner} one wins"
+#     assert (short > long) == (winner == short_wins), f"alpha {alpha:.3f}: {winner}"
 # print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
 
 # %% [markdown]
@@ -3762,7 +3767,7 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # %% active="ipynb"
 # sentence_ids = german_ids(ATTENTION_SENTENCE, data.vocabs)
 # src_tokens, tgt_tokens, maps = translate_with_attention(model, sentence_ids, data.vocabs)
-# print("German: ", " ".join(src_tokens), "\nEnglish:", " ".join(tgt_tokens))
+# print("German tokens: ", " ".join(src_tokens), "\nEnglish tokens:", " ".join(tgt_tokens))
 # assert maps["encoder-decoder attention"][0].shape == (
 #     settings.h,
 #     len(tgt_tokens) - 1,
@@ -4272,16 +4277,16 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 
 # %% active="ipynb"
 # blocks = json.loads(Path("results/blocks-cpu-epyc-zen4.json").read_text(encoding="utf-8"))
-# block_names = {"2017": "the paper's block", "modern": "today's block"}
+# block_names = {"2017": "the paper's block", "modern": "the modern block"}
 # runs = pd.DataFrame(blocks["runs"]).assign(block=lambda f: f["block"].map(block_names))
 # per_epoch = runs.explode(["val_loss_per_epoch", "val_bleu_greedy_per_epoch"]).astype(
 #     {"val_loss_per_epoch": float, "val_bleu_greedy_per_epoch": float})  # fmt: skip
 # per_epoch = per_epoch.assign(epoch=per_epoch.groupby(["block", "seed"]).cumcount())
 # by_block = runs.groupby("block")
 # display(pd.DataFrame({
-#     "parameters": by_block["parameters"].first().map("{:,}".format),
-#     "test2016 BLEU, greedy": by_block["test2016_bleu_greedy"].mean().round(1),
-#     "test2016 BLEU, beam": by_block["test2016_bleu_beam"].mean().round(1),
+#     "parameter count": by_block["parameters"].first().map("{:,}".format),
+#     "test2016 BLEU, greedy decoding": by_block["test2016_bleu_greedy"].mean().round(1),
+#     "test2016 BLEU, beam search": by_block["test2016_bleu_beam"].mean().round(1),
 #     "time of a training step, relative": pd.Series(blocks["speed"]["relative"]).rename(
 #         index=block_names).round(2),
 # }))  # fmt: skip
