@@ -3734,6 +3734,7 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
     layer = menu("layer", "which layer", len(weights), len(weights) - 1)
     head = menu("head", "which head", len(heads), 0)
     side = 14 * max(len(queries), len(keys)) + 40  # pixels
+    blues = alt.Scale(scheme="blues", domain=[0, 1])
     return (
         alt.Chart(pd.DataFrame(rows), title=title)
         .add_params(layer, head)
@@ -3743,14 +3744,8 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
         .encode(
             x=alt.X("key:N", sort=key_labels, title="key: the word read"),
             y=alt.Y("query:N", sort=query_labels, title="query: the word reading"),
-            color=alt.Color(
-                "weight:Q", title="attention weight", scale=alt.Scale(scheme="blues", domain=[0, 1])
-            ),
-            tooltip=[
-                alt.Tooltip("query:N", title="the word reading"),
-                alt.Tooltip("key:N", title="the word read"),
-                alt.Tooltip("weight:Q", title="attention weight", format=".3f"),
-            ],
+            color=alt.Color("weight:Q", title="attention weight", scale=blues),
+            tooltip=["query:N", "key:N", alt.Tooltip("weight:Q", format=".3f")],
         )
         .properties(width=side, height=side)
     )
@@ -4300,6 +4295,8 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 # loss_lines, bleu_lines = lines.encode(y=loss_y), lines.encode(y=bleu_y)
 # display(alt.hconcat(loss_lines.properties(title="Validation loss, two seeds each", width=300),
 #                     bleu_lines.properties(title="Validation BLEU, two seeds each", width=300)))
+
+# %% active="ipynb"
 # def each_seed(key: str, epoch: int | None = None) -> dict:
 #     """Per block, one figure per seed: the record's `key`, after `epoch` if given."""
 #     return {block: [r[key] if epoch is None else r[key][epoch] for r in blocks["runs"]
