@@ -3569,7 +3569,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 #     bleu = test_results[f"test2016_bleu_{method}"]
 #     lowered = test_results[f"test2016_bleu_{method}_lowercase_tokenized"]
 #     seconds = test_results[f"{method}_seconds"]
-#     print(f"test2016 BLEU, {name}: {bleu:.1f} ", end="")
+#     print(f"test2016 BLEU with {name}: {bleu:.1f} ", end="")
 #     print(f"(lower-cased tokenized: {lowered:.1f}; decoding took {seconds:.1f} s)")
 # print("sacreBLEU signature:", test_results["bleu_signature"])
 # # the standard the prose promises: one reference, cased, sacreBLEU's own 13a tokenizer
@@ -4295,12 +4295,12 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 # loss_lines, bleu_lines = lines.encode(y=loss_y), lines.encode(y=bleu_y)
 # display(alt.hconcat(loss_lines.properties(title="Validation loss, two seeds each", width=300),
 #                     bleu_lines.properties(title="Validation BLEU, two seeds each", width=300)))
-
-# %% active="ipynb"
 # def each_seed(key: str, epoch: int | None = None) -> dict:
 #     """Per block, one figure per seed: the record's `key`, after `epoch` if given."""
 #     return {block: [r[key] if epoch is None else r[key][epoch] for r in blocks["runs"]
 #                     if r["block"] == block] for block in block_names}  # fmt: skip
+
+# %% active="ipynb"
 # losses = [each_seed("val_loss_per_epoch", epoch) for epoch in range(per_epoch["epoch"].max() + 1)]
 # assert all(max(loss["modern"]) < min(loss["2017"]) for loss in losses)  # every epoch, every seed
 # assert max(losses[2]["modern"]) < min(losses[2]["2017"]) - 0.05  # well ahead after three
