@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
+from tools.tune import append_record  # noqa: E402
 
 BUILDERS = {"2017": ("train",), "modern": ("train", "modern_model_for")}
 
@@ -106,10 +107,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "folder": folder.name,
     }
-    print(json.dumps(record))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as out:
-        out.write(json.dumps(record) + "\n")
+    append_record(record, Path(args.out))
 
 
 if __name__ == "__main__":

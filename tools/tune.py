@@ -102,9 +102,14 @@ def main() -> None:
         "minutes": round(minutes, 1),
         "torch_threads": torch.get_num_threads(),
     }
+    append_record(record, Path(args.out))
+
+
+def append_record(record: dict, path: Path) -> None:
+    """Print `record` and append it to `path` as one JSON line (tools/blocks.py too)."""
     print(json.dumps(record))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as out:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
         out.write(json.dumps(record) + "\n")
 
 
