@@ -3611,7 +3611,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # short_wins, long_wins = "the short sentence wins", "the long sentence wins"
 # for alpha, winner in [(filled(tie_alpha) - 0.001, short_wins), (tie_alpha + 0.001, long_wins)]:
 #     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
-#     assert (short > long) == (winner == short_wins), f"with alpha {alpha:.3f}, {winner}"
+#     assert (short > long) == (winner == short_wins), (
+#         f"with alpha {alpha:.3f}, your tie says {winner}, but it does not"
+#     )
 # print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
 
 # %% [markdown]
