@@ -261,15 +261,14 @@ def canonical(node) -> str:
         return "[" + ", ".join(canonical(n) for n in node) + "]"
     if not isinstance(node, ast.AST):
         return repr(node)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        return "Expr()"  # a docstring, or a statement that computes nothing
     if isinstance(node, ast.Constant | ast.JoinedStr):
         parts = node.values if isinstance(node, ast.JoinedStr) else [node]
         words = "".join(p.value for p in parts if isinstance(getattr(p, "value", 0), str))
         if re.search(PROSE, words):
             fields = sorted(canonical(p) for p in parts if not isinstance(p, ast.Constant))
             return f"Prose({', '.join(fields)})"
-    definition = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-    if definition and ast.get_docstring(node, clean=False) is not None:
-        node = type(node)(**{**vars(node), "body": node.body[1:] or [ast.Pass()]})
     skip = {"ctx", "kind", "type_comment", "type_params"}
     fields = [
         f"{name}={canonical(value)}"
@@ -301,21 +300,17 @@ def read_code(value, home: str) -> tuple[str, list[tuple[str, dict]]]:
     method assigned in a later cell counts; the methods that @dataclass writes count by
     those fields. A class of a project file counts by its text in the file."""
     if isinstance(value, type) and value.__module__ == home:
-        text = [f"class {value.__qualname__}({[b.__qualname__ for b in value.__bases__]})"]
+        bases = [b.__qualname__ for b in value.__bases__]
+        text = [f"class {value.__qualname__}{bases}", repr(vars(value).get("__annotations__"))]
         used = [(b.__name__, {b.__name__: b}) for b in value.__bases__]
-        for f in dataclasses.fields(value) if dataclasses.is_dataclass(value) else ():
-            default = "" if f.default is dataclasses.MISSING else f.default
-            text.append(f"{f.name}: {f.type} = {default!r}")
+        made = {"<string>", dataclasses.__file__}  # where @dataclass writes its methods
         for name, member in sorted(vars(value).items()):
-            member = member.fget if isinstance(member, property) else member
-            function = inspect.unwrap(getattr(member, "__func__", member))
-            made = {"<string>", dataclasses.__file__}  # where @dataclass writes its methods
-            if not inspect.isfunction(function):
-                if isinstance(member, int | float | str | bool | tuple) and name[:2] != "__":
-                    text.append(f"{name} = {member!r}")
-            elif function.__code__.co_filename in made:
-                text.append(name)  # made from the fields above
-            elif is_lesson_code(function, value.__module__):  # not a test's or a tool's stand-in
+            function = inspect.unwrap(getattr(member, "fget", getattr(member, "__func__", member)))
+            if isinstance(member, int | float | str | bool | tuple | None) and name[:2] != "__":
+                text.append(f"{name} = {member!r}")  # a field's default, or a constant
+            elif inspect.isfunction(function) and function.__code__.co_filename in made:
+                text.append(name)  # made from the fields
+            elif inspect.isfunction(function) and is_lesson_code(function, home):  # no stand-in
                 code, names = read_code(function, home)
                 text, used = [*text, f"{name}: {code}"], used + names
         return "\n".join(text), used
