@@ -71,10 +71,11 @@ SIZES = {
 REFERENCE = {"max_padding": 72, "batch_size": 32, "accum_iter": 10}  # the 2022 notebook's
 PLAIN_BEAM_SENTENCES = 200  # beam search without a cache is slow: time it on these only
 # The machine's limit for the MFU: one square product of this size, large enough that a
-# CPU's or GPU's matrix units run at full speed; the best of MATMUL_REPEATS, or of as many
-# as fit in MATMUL_SECONDS (bf16 forced on a CPU without bf16 units takes a minute each).
+# CPU's or GPU's matrix units run at full speed; the best of MATMUL_REPEATS per repeat of
+# the steps, or of as many as fit in MATMUL_SECONDS per repeat (bf16 forced on a CPU without
+# bf16 units takes a minute each).
 MATMUL_SIZE = {"cpu": 2048, "mps": 2048, "cuda": 8192}
-MATMUL_REPEATS, MATMUL_SECONDS = 10, 5.0
+MATMUL_REPEATS, MATMUL_SECONDS = 3, 1.5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the products' inputs
 
 
@@ -359,7 +360,7 @@ def training_flops(model, settings: at.Settings, batches: list, pad_id: int) -> 
     return float(flops)
 
 
-def matmul_throughput(device: torch.device, precision: str) -> dict:
+def matmul_throughput(device: torch.device, precision: str, repeats: int) -> dict:
     """FLOPs per second of one large square product in the training precision, best time.
 
     This is the machine's practical ceiling for the model's products: on a CPU, its vector
@@ -368,7 +369,9 @@ def matmul_throughput(device: torch.device, precision: str) -> dict:
     n = MATMUL_SIZE[device.type]
     a, b = (torch.randn(n, n, device=device, dtype=DTYPES[precision]) for _ in range(2))
     times = [timed(device, lambda: torch.mm(a, b))[0]]  # the first one only warms up
-    while len(times) <= MATMUL_REPEATS and (len(times) < 2 or sum(times) < MATMUL_SECONDS):
+    while len(times) <= MATMUL_REPEATS * repeats and (
+        len(times) < 2 or sum(times) < MATMUL_SECONDS * repeats
+    ):
         times.append(timed(device, lambda: torch.mm(a, b))[0])
     best = min(times[1:])
     return {"size": n, "precision": precision, "best_seconds": best, "flops": 2 * n**3}
@@ -830,7 +833,7 @@ def main(argv=None) -> None:
     report |= training_precision(args, settings, data, device)
     precision = report["precision"]
     print(f"1/4 training step in {precision}: our model against torch.nn.Transformer")
-    matmul_before = matmul_throughput(device, precision)
+    matmul_before = matmul_throughput(device, precision, args.repeats)
     report["model_vs_pytorch"] = compare_models(
         settings,
         data,
@@ -843,7 +846,9 @@ def main(argv=None) -> None:
     # the machine's limit, timed before and after the steps; the faster of the two, in
     # case something else used the cores for a moment
     matmul = min(
-        matmul_before, matmul_throughput(device, precision), key=lambda m: m["best_seconds"]
+        matmul_before,
+        matmul_throughput(device, precision, args.repeats),
+        key=lambda m: m["best_seconds"],
     )
     report["utilisation"] = utilisation(report["model_vs_pytorch"], matmul)
     print(f"2/4 pipeline in {precision}: ours against the reference loop")
