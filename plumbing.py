@@ -270,12 +270,8 @@ def canonical(node) -> str:
             fields = sorted(canonical(p) for p in parts if not isinstance(p, ast.Constant))
             return f"Prose({', '.join(fields)})"
     skip = {"ctx", "kind", "type_comment", "type_params"}
-    fields = [
-        f"{name}={canonical(value)}"
-        for name, value in ast.iter_fields(node)
-        if name not in skip and value is not None and value != []
-    ]
-    return f"{type(node).__name__}({', '.join(fields)})"
+    fields = [(k, v) for k, v in ast.iter_fields(node) if k not in skip and v not in (None, [])]
+    return f"{type(node).__name__}({', '.join(f'{k}={canonical(v)}' for k, v in fields)})"
 
 
 def in_project(value) -> bool:

@@ -121,11 +121,10 @@ def inline_charts(notebook) -> int:
     return count
 
 
-def fold_hidden_inputs(body: str, label: str = SHOW_CODE["en"]) -> str:
+def fold_hidden_inputs(page: BeautifulSoup, label: str = SHOW_CODE["en"]) -> None:
     """Put the code of every cell tagged hide-input inside <details>: one click away.
 
     nbconvert's lab template gives such a cell the class celltag_hide-input."""
-    page = BeautifulSoup(body, "html.parser")
     for cell in page.select("div.celltag_hide-input"):
         code = cell.find("div", class_="jp-Cell-inputWrapper", recursive=False)
         if code is None:
@@ -135,23 +134,20 @@ def fold_hidden_inputs(body: str, label: str = SHOW_CODE["en"]) -> str:
         summary.string = label
         code.wrap(details)
         details.insert(0, summary)
-    return str(page)
 
 
-def fold_markdown_notes(body: str) -> str:
+def fold_markdown_notes(page: BeautifulSoup) -> None:
     """Put the rest of a markdown cell inside the <details> that opens a folded note.
 
     A note is written in markdown as `<details><summary>...</summary>`, the note's
     paragraphs, then `</details>` at the end of its cell. nbconvert parses each HTML
     block of a markdown cell on its own, so the <details> comes out closed at once, the
     paragraphs follow it and the closing tag is dropped; this puts them back inside."""
-    page = BeautifulSoup(body, "html.parser")
     for details in page.select("div.jp-RenderedMarkdown details"):
         if any(child.name not in (None, "summary") for child in details.children):
             continue  # it already holds its note
         for sibling in list(details.next_siblings):
             details.append(sibling.extract())
-    return str(page)
 
 
 def export(source: Path, target: Path, base: Path = PROJECT) -> int:
@@ -175,7 +171,10 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
         raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
     body = REMOTE_IMAGE.sub(image_to_text, REMOTE_SCRIPT.sub("", body))
     body = MATH_TOKEN.sub(lambda m: formulas[int(m.group(1))], body)
-    body = fold_markdown_notes(fold_hidden_inputs(body, SHOW_CODE.get(lang, SHOW_CODE["en"])))
+    page = BeautifulSoup(body, "html.parser")  # parsed once: seconds for this page
+    fold_hidden_inputs(page, SHOW_CODE.get(lang, SHOW_CODE["en"]))
+    fold_markdown_notes(page)
+    body = str(page)
     body = body.replace('<html lang="en">', f'<html lang="{lang}">', 1)
     body = body.replace("</head>", f"{FONTS.get(lang, '')}</head>", 1)  # after the lab's CSS
     # vl-convert bundles Vega 6 with every Vega-Lite version; Vega-Lite 5 compiles to
