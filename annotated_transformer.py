@@ -1044,30 +1044,6 @@ class Batch:
 # assert short.tgt_mask[0, 2].tolist() == [True, True, True, False]
 
 # %% [markdown]
-# ### Training state
-#
-# A small record of progress, which the training loop updates and checkpoints save. It
-# counts micro-batches and optimizer steps.
-
-
-# %%
-@dataclass
-class TrainState:
-    """Counters of a training run."""
-
-    step: int = 0  # optimizer steps taken
-    micro_batches: int = 0  # forward/backward passes, accumulation included
-    samples: int = 0  # sentence pairs seen
-    tokens: int = 0  # real target tokens seen
-
-    def count(self, batch: "Batch") -> None:
-        """Count one micro-batch's forward and backward pass."""
-        self.micro_batches += 1
-        self.samples += batch.src.size(0)
-        self.tokens += batch.ntokens
-
-
-# %% [markdown]
 # ### Label smoothing (§5.4)
 #
 # > "During training, we employed label smoothing of value $\epsilon_{ls} = 0.1$. This
@@ -1354,11 +1330,12 @@ def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
 #    as one long vector, is at most the limit: one unusual batch cannot push the weights
 #    far (the paper does not mention clipping);
 # 2. it steps the optimizer and clears the gradients;
-# 3. it advances the schedule and the step count.
+# 3. it advances the schedule, which counts the optimizer steps. PyTorch names that count
+#    `schedule.last_epoch`, though we advance it once per step, not per epoch.
 
 
 # %%
-def optimizer_step(optimizer, schedule, state: TrainState, clip_norm=None) -> None:
+def optimizer_step(optimizer, schedule, clip_norm=None) -> None:
     """Update the weights with the summed gradients, clear them, advance the schedule."""
     if clip_norm is not None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -1366,7 +1343,6 @@ def optimizer_step(optimizer, schedule, state: TrainState, clip_norm=None) -> No
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     schedule.step()  # the learning rate follows optimizer steps, not micro-batches
-    state.step += 1
 
 
 # %%
@@ -1378,12 +1354,10 @@ def run_epoch(
     schedule,
     *,
     accum_iter=1,
-    state=None,
     clip_norm=None,
     autocast=contextlib.nullcontext,
 ) -> float:
     """Train on the batches once; return the mean loss per real target token."""
-    state = state if state is not None else TrainState()
     step_tokens = tokens_per_step(batches, accum_iter)
     total_loss, total_tokens = 0.0, 0
     model.train()
@@ -1392,10 +1366,9 @@ def run_epoch(
             loss_sum = batch_loss(model, criterion, batch)
         # this micro-batch's share of its step's mean loss per token
         (loss_sum / step_tokens[i // accum_iter]).backward()
-        state.count(batch)
         total_loss, total_tokens = total_loss + loss_sum.item(), total_tokens + batch.ntokens
         if (i + 1) % accum_iter == 0 or i + 1 == len(batches):  # the step's last micro-batch
-            optimizer_step(optimizer, schedule, state, clip_norm)
+            optimizer_step(optimizer, schedule, clip_norm)
     return total_loss / max(total_tokens, 1)
 
 
@@ -1669,13 +1642,14 @@ def train_copy_task(
     optimizer, schedule = make_optimizer(model, plan, total_steps=steps)
     criterion = LabelSmoothing(COPY_VOCAB, COPY_PAD, smoothing=0.0)
     data = torch.Generator().manual_seed(seed)
-    state = TrainState()
     for epoch in range(1, epochs + 1):
         batches = [make_batch(64, 10, data) for _ in range(batches_per_epoch)]
-        run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2, state=state)
+        run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2)
         if epoch % 5 == 0:
-            val_loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
-            print(f"epoch {epoch:2d}  optimizer steps {state.step:4d}  val loss {val_loss:.4f}")
+            loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
+            print(
+                f"epoch {epoch:2d}  optimizer steps {schedule.last_epoch:4d}  val loss {loss:.4f}"
+            )
     return model
 
 
@@ -2964,7 +2938,7 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 
 # %% [markdown]
 # The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
-# schedule, the step counter and the history. All of it goes into
+# schedule (which counts the steps) and the history. All of it goes into
 # `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on, drawing
 # the same random numbers as a run never stopped.
 
@@ -2979,12 +2953,11 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
-    state = TrainState()
-    kept = {"model": model, "optimizer": optimizer, "schedule": schedule, "state": state}
+    kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
     trainer.seed_dropout(settings.seed, rank)  # each process its own; last.pt's if it resumes
     history = trainer.load_last(folder, kept, rank=rank, world_size=processes.world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
-    options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, state=state)
+    options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
         batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
@@ -3966,11 +3939,10 @@ from plumbing import sum_over_ranks  # an all-reduce of a few numbers (one proce
 
 
 def ddp_epoch(
-    batches, model, criterion, optimizer, schedule, *, world_size, accum_iter=1, state=None,
-    clip_norm=None, autocast=contextlib.nullcontext,
+    batches, model, criterion, optimizer, schedule, *, world_size, accum_iter=1, clip_norm=None,
+    autocast=contextlib.nullcontext,
 ) -> float:  # fmt: skip
     """run_epoch for one of world_size ranks: `batches` is its shard, `model` is DDP's."""
-    state = state if state is not None else TrainState()
     device = batches[0].src.device
     # (4) every step's real target tokens on all ranks, shared out among the W ranks
     global_tokens = sum_over_ranks(tokens_per_step(batches, accum_iter), device)
@@ -3984,10 +3956,9 @@ def ddp_epoch(
             with autocast():
                 loss_sum = batch_loss(model, criterion, batch)
             (loss_sum / step_tokens[i // accum_iter]).backward()
-        state.count(batch)
         total_loss, total_tokens = total_loss + loss_sum.item(), total_tokens + batch.ntokens
         if steps_now:
-            optimizer_step(optimizer, schedule, state, clip_norm)
+            optimizer_step(optimizer, schedule, clip_norm)
             for _ in range(world_size - 1):  # the rate of W single-process steps
                 schedule.step()
     # the mean over all ranks' tokens, as one process would report it

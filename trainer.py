@@ -1,7 +1,7 @@
 """What the notebook's `train` need not show: the checkpoint file, rank bookkeeping, the record.
 
 `train`, in Part 6 of the notebook, holds the run's state as its own variables: the model,
-the optimizer, the schedule, the step counter and the history. At each epoch's end it hands
+the optimizer, the schedule (which counts the steps) and the history. At each epoch's end it hands
 them to `save_last`, and a rerun gets them back from `load_last`, the function beside it;
 the two are the checkpoint's format. Then come the final model (`save_final`, `load_final`),
 the weights kept for averaging, and the run's record (`run_record`).
@@ -70,7 +70,7 @@ def made_of(folder: Path) -> dict:
 
 def save_last(folder: Path, kept: dict, history: list[dict], *, rank=0, average_last=1) -> None:
     """Write last.pt after a finished epoch: the loop's `kept` objects (model, optimizer,
-    schedule, state), its history, every rank's random states, and what the run is made
+    schedule), its history, every rank's random states, and what the run is made
     of; and, if the run averages, the epoch's weights. Every rank calls it; rank 0 writes."""
     ranks = gather_from_ranks(random_states())
     if rank == 0:
@@ -78,7 +78,7 @@ def save_last(folder: Path, kept: dict, history: list[dict], *, rank=0, average_
         save_checkpoint(
             Path(folder) / "last.pt", model=kept["model"].state_dict(),
             optimizer=kept["optimizer"].state_dict(), schedule=kept["schedule"].state_dict(),
-            state=dataclasses.asdict(kept["state"]), history=history, random=ranks,
+            history=history, random=ranks,
             made_of=made_of(folder),
         )  # fmt: skip
 
@@ -114,10 +114,8 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
     load_weights(kept["model"], checkpoint["model"], path)
     kept["optimizer"].load_state_dict(checkpoint["optimizer"])
     kept["schedule"].load_state_dict(checkpoint["schedule"])
-    for name, value in checkpoint["state"].items():
-        setattr(kept["state"], name, value)
     restore_random_states(checkpoint["random"][rank])
-    epoch, step = len(checkpoint["history"]) - 1, kept["state"].step
+    epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
     if rank == 0:  # once, not once per process
         print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
     return checkpoint["history"]

@@ -70,7 +70,9 @@ def test_a_run_takes_the_steps_known_before_it_and_ends_its_rate_at_zero(quick_d
     for epoch in range(2):  # every epoch holds as many batches: they are cut by length
         batches = at.batches_for(quick_data.train, en.pad_id, settings, CPU, epoch)
         assert steps == 2 * math.ceil(len(batches) / settings.accum_iter) > settings.warmup
-    assert [h["step"] for h in history] == [steps // 2, steps] and last["state"]["step"] == steps
+    assert [h["step"] for h in history] == [steps // 2, steps] and last["schedule"][
+        "last_epoch"
+    ] == steps
     assert history[0]["rate"] > 0 and history[-1]["rate"] == 0.0  # the rate after the last step
     assert last["schedule"]["_last_lr"] == [0.0]
 
@@ -106,7 +108,7 @@ def one_sgd_step(grads: list[torch.Tensor], clip_norm) -> torch.Tensor:
         p.grad = g.clone()
     optimizer = torch.optim.SGD(params, lr=1.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    at.optimizer_step(optimizer, schedule, at.TrainState(), clip_norm)
+    at.optimizer_step(optimizer, schedule, clip_norm)
     return torch.cat([p.detach() for p in params])  # the update, since they started at 0
 
 

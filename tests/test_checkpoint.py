@@ -70,7 +70,9 @@ def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
         train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
     folder = trainer.run_folder(TWO_EPOCHS, quick_data, vars(at), tmp_path / "b")
     last = read_checkpoint(folder / "last.pt")
-    assert len(last["history"]) == 1 and last["state"]["step"] == last["history"][0]["step"]
+    assert (
+        len(last["history"]) == 1 and last["schedule"]["last_epoch"] == last["history"][0]["step"]
+    )
     assert not (folder / "final.pt").exists()
     capsys.readouterr()
     resumed, history, _ = train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
@@ -101,10 +103,10 @@ def test_a_run_stopped_after_its_last_epoch_averages_when_run_again(quick_data, 
 
 
 def loop_objects(settings, vocabs) -> dict:
-    """What train keeps in last.pt, fresh: the model, optimizer, schedule and state."""
+    """What train keeps in last.pt, fresh: the model, optimizer and schedule."""
     model = at.model_for(settings, vocabs)
     optimizer, schedule = at.make_optimizer(model, settings, total_steps=100)
-    return {"model": model, "optimizer": optimizer, "schedule": schedule, "state": at.TrainState()}
+    return {"model": model, "optimizer": optimizer, "schedule": schedule}
 
 
 def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path):
@@ -121,8 +123,8 @@ def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path
 
     kept = loop_objects(TINY, vocabs)
     trainer.save_last(tmp_path, kept, history)
-    kept["state"].step = 7  # to be overwritten
-    assert trainer.load_last(tmp_path, kept) == history and kept["state"].step == 0
+    kept["schedule"].last_epoch = 7  # to be overwritten
+    assert trainer.load_last(tmp_path, kept) == history and kept["schedule"].last_epoch == 0
     for name in ("final.pt", "last.pt"):
         good = (tmp_path / name).read_bytes()
         (tmp_path / name).write_bytes(good[: len(good) // 2])
@@ -255,7 +257,7 @@ def test_sigkill_mid_epoch_then_rerun_is_bit_identical_averaging_included(quick_
     # the folder that this process names for the run: the one the child trained in
     folder = trainer.run_folder(KILLED, quick_data, vars(at), tmp_path / "killed")
     last = read_checkpoint(folder / "last.pt")
-    assert len(last["history"]) == 2 and last["state"]["step"] == 2 * steps // 3
+    assert len(last["history"]) == 2 and last["schedule"]["last_epoch"] == 2 * steps // 3
     assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()
 
     resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0)

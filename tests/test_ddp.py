@@ -177,7 +177,7 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     # the stopped job's optimizer was instrumented, its folder is still the run's own
     folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
     last = read_checkpoint(folder / "last.pt")
-    assert last["state"]["step"] == per_epoch and len(last["history"]) == 1
+    assert last["schedule"]["last_epoch"] == 2 * per_epoch and len(last["history"]) == 1
     assert len(last["random"]) == 2 and not torch.equal(*(r["torch"] for r in last["random"]))
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
@@ -298,15 +298,17 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     def kept() -> dict:
         model = at.model_for(settings, tiny_data().vocabs)
         optimizer, schedule = at.make_optimizer(model, settings)
-        return {"model": model, "optimizer": optimizer, "schedule": schedule,
-                "state": at.TrainState()}  # fmt: skip
+        return {"model": model, "optimizer": optimizer, "schedule": schedule}
 
     written = kept()
-    written["state"].step = 3
+    written["schedule"].last_epoch = 3
     trainer.save_last(tmp_path, written, [{"epoch": 0}])
     with pytest.raises(CheckpointError, match=r"on 1 process\(es\), not 2: resume with as many"):
         trainer.load_last(tmp_path, kept(), world_size=2)
     capsys.readouterr()
     again = kept()
     assert trainer.load_last(tmp_path, again, world_size=1) == [{"epoch": 0}]  # as many
-    assert again["state"].step == 3 and "going on after epoch 0, step 3" in capsys.readouterr().out
+    assert (
+        again["schedule"].last_epoch == 3
+        and "going on after epoch 0, step 3" in capsys.readouterr().out
+    )

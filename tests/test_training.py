@@ -195,7 +195,6 @@ def sgd(model, lr=0.5):
 
 def train(model, batches, make_opt, accum_iter):
     optimizer, schedule = make_opt(model)
-    state = at.TrainState()
     criterion = at.LabelSmoothing(V, PAD, smoothing=0.1)
     at.run_epoch(
         batches,
@@ -204,9 +203,8 @@ def train(model, batches, make_opt, accum_iter):
         optimizer=optimizer,
         schedule=schedule,
         accum_iter=accum_iter,
-        state=state,
     )
-    return state
+    return schedule
 
 
 def assert_same_parameters(a, b, atol=1e-6):
@@ -233,8 +231,8 @@ def test_accumulated_micro_batches_equal_one_big_batch():
     micro = [random_batch() for _ in range(3)]
     start = tiny_model()
     accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
-    assert train(accumulated, micro, sgd, accum_iter=3).step == 1
-    assert train(whole, [concat(micro)], sgd, accum_iter=1).step == 1
+    assert train(accumulated, micro, sgd, accum_iter=3).last_epoch == 1
+    assert train(whole, [concat(micro)], sgd, accum_iter=1).last_epoch == 1
     assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
     assert_same_parameters(accumulated, whole)
 
@@ -269,8 +267,8 @@ def test_micro_batches_of_unequal_size_equal_one_big_batch():
     assert whole_batch.ntokens == 13 and whole_batch.src.size(1) > micro[1].src.size(1)
     start = tiny_model()
     accumulated, whole = copy.deepcopy(start), copy.deepcopy(start)
-    assert train(accumulated, micro, sgd, accum_iter=2).step == 1
-    assert train(whole, [whole_batch], sgd, accum_iter=1).step == 1
+    assert train(accumulated, micro, sgd, accum_iter=2).last_epoch == 1
+    assert train(whole, [whole_batch], sgd, accum_iter=1).last_epoch == 1
     assert largest_change(start, whole) > 1e-3, "the step must move the parameters"
     assert_same_parameters(accumulated, whole)
 
@@ -319,7 +317,7 @@ def test_short_last_group_gets_its_own_full_step():
     micro = [random_batch() for _ in range(3)]
     start = tiny_model()
     accumulated, by_hand = copy.deepcopy(start), copy.deepcopy(start)
-    assert train(accumulated, micro, sgd, accum_iter=2).step == 2
+    assert train(accumulated, micro, sgd, accum_iter=2).last_epoch == 2
     optimizer, schedule = sgd(by_hand)
     for group in ([concat(micro[:2])], micro[2:]):
         at.run_epoch(
@@ -330,12 +328,11 @@ def test_short_last_group_gets_its_own_full_step():
 
 
 def test_step_counting_with_accumulation():
-    """5 micro-batches, accum_iter=2: 3 optimizer and 3 schedule steps, 5 micro-batches."""
+    """5 micro-batches, accum_iter=2: 3 optimizer and 3 schedule steps, the last one short."""
     model = tiny_model()
     optimizer, schedule = sgd(model, lr=0.01)
     steps = []
     optimizer.register_step_post_hook(lambda *_: steps.append(schedule.last_epoch))
-    state = at.TrainState()
     batches = [random_batch() for _ in range(5)]
     at.run_epoch(
         batches,
@@ -344,12 +341,9 @@ def test_step_counting_with_accumulation():
         optimizer=optimizer,
         schedule=schedule,
         accum_iter=2,
-        state=state,
     )
-    assert state.step == 3 and steps == [0, 1, 2], "one schedule step after each optimizer step"
+    assert steps == [0, 1, 2], "one schedule step after each optimizer step"
     assert schedule.last_epoch == 3
-    assert state.micro_batches == 5 and state.samples == 10
-    assert state.tokens == sum(b.ntokens for b in batches)
     assert all(p.grad is None for p in model.parameters()), "no gradient is left over"
 
 
@@ -369,10 +363,8 @@ def test_run_epochs_options_act_on_every_step():
     for clip_norm in (1e-3, None):
         model = copy.deepcopy(start)
         optimizer, schedule = sgd(model, lr=1.0)
-        stepped, state = [], at.TrainState()
-        optimizer.register_step_post_hook(
-            lambda *_, s=state, out=stepped: out.append(s.micro_batches)
-        )
+        stepped = []  # how many forward passes came before each optimizer step
+        optimizer.register_step_post_hook(lambda *_, out=stepped: out.append(len(entered)))
         at.run_epoch(
             batches,
             model,
@@ -380,7 +372,6 @@ def test_run_epochs_options_act_on_every_step():
             optimizer,
             schedule,
             accum_iter=2,
-            state=state,
             clip_norm=clip_norm,
             autocast=autocast,
         )
@@ -388,7 +379,7 @@ def test_run_epochs_options_act_on_every_step():
         moved.append(torch.cat([(p - q).flatten() for p, q in pairs]).norm().item())
         if clip_norm is not None:
             assert entered == [True] * 5, "one forward pass per micro-batch, with gradients"
-            assert stepped == [2, 4, 5] and state.step == 3
+            assert stepped == [2, 4, 5] and schedule.last_epoch == 3
     assert 0 < moved[0] <= 3 * 1e-3 * (1 + 1e-4), "three steps of at most clip_norm each"
     assert moved[1] > 10 * moved[0], "the gradients were large enough to be clipped"
 

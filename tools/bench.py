@@ -443,7 +443,7 @@ def reference_collate(text_pairs, tokenizers: dict, vocabs: dict) -> at.Batch:
 
 
 def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precision: str):
-    """One pass of the reference loop over raw text; returns what it counted.
+    """One pass of the reference loop over raw text; returns what it trained on.
 
     It keeps the reference's recipe (no gradient clipping) but runs in our precision, so
     that the comparison is one of pipelines, not of number formats.
@@ -458,41 +458,47 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precisi
         collate_fn=functools.partial(reference_collate, tokenizers=tokenizers, vocabs=vocabs),
     )
     criterion = at.LabelSmoothing(len(vocabs["en"]), vocabs["en"].pad_id, settings.label_smoothing)
-    state = at.TrainState()
     # the loader tokenizes and pads as it is drawn; run_epoch needs each optimizer step's
     # token count up front, so the epoch's batches are drawn first (inside the timing)
-    at.run_epoch(
-        [batch.to(device) for batch in loader],
-        model,
-        criterion,
-        optimizer,
-        schedule,
-        state=state,
-        accum_iter=REFERENCE["accum_iter"],
-        autocast=trainer.autocast_for(device, precision),
-    )
-    return state
-
-
-def run_ours(pairs, training, settings, vocabs, criterion, *, precision: str) -> at.TrainState:
-    """One pass of our pipeline and loop over cached ids, as a run trains (with the run's
-    loss, `criterion`); returns what it counted."""
-    model, optimizer, schedule = training
-    device, pad_id = next(model.parameters()).device, vocabs["en"].pad_id
-    indices = at.bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=0)
-    batches = [at.collate(pairs, b, pad_id).to(device) for b in indices]
-    state = at.TrainState()
+    batches = [batch.to(device) for batch in loader]
     at.run_epoch(
         batches,
         model,
         criterion,
         optimizer,
         schedule,
-        state=state,
+        accum_iter=REFERENCE["accum_iter"],
+        autocast=trainer.autocast_for(device, precision),
+    )
+    return counted(batches)
+
+
+def counted(batches) -> dict:
+    """What one pass over `batches` trained on: real target tokens, sentences, batches."""
+    return {
+        "tokens": sum(b.ntokens for b in batches),
+        "samples": sum(b.src.size(0) for b in batches),
+        "micro_batches": len(batches),
+    }
+
+
+def run_ours(pairs, training, settings, vocabs, criterion, *, precision: str) -> dict:
+    """One pass of our pipeline and loop over cached ids, as a run trains (with the run's
+    loss, `criterion`); returns what it trained on."""
+    model, optimizer, schedule = training
+    device, pad_id = next(model.parameters()).device, vocabs["en"].pad_id
+    indices = at.bucket_batches(pairs, settings.batch_tokens, seed=settings.seed, epoch=0)
+    batches = [at.collate(pairs, b, pad_id).to(device) for b in indices]
+    at.run_epoch(
+        batches,
+        model,
+        criterion,
+        optimizer,
+        schedule,
         accum_iter=settings.accum_iter,
         **as_a_run_trains(settings, device, precision),
     )
-    return state
+    return counted(batches)
 
 
 def compare_pipelines(
@@ -504,7 +510,7 @@ def compare_pipelines(
     fresh model (same seed), built before the clock starts.
     """
 
-    def run(name: str, part: str) -> tuple[float, at.TrainState]:
+    def run(name: str, part: str) -> tuple[float, dict]:
         training = fresh_training(settings, lambda: at.model_for(settings, vocabs), device)
         if name == "ours":
             pairs = race[part]["ids"]
@@ -528,14 +534,14 @@ def compare_pipelines(
         for name in names:
             elapsed, counts[name] = run(name, "timed")
             seconds[name].append(elapsed)
-    if counts["ours"].tokens != counts["reference"].tokens:
+    if counts["ours"]["tokens"] != counts["reference"]["tokens"]:
         raise RuntimeError(f"the pipelines saw different target token counts: {counts}")
     result = {
         name: {
-            "tokens_per_second": counts[name].tokens / statistics.median(seconds[name]),
-            "real_target_tokens": counts[name].tokens,
-            "sentences": counts[name].samples,
-            "batches": counts[name].micro_batches,
+            "tokens_per_second": counts[name]["tokens"] / statistics.median(seconds[name]),
+            "real_target_tokens": counts[name]["tokens"],
+            "sentences": counts[name]["samples"],
+            "batches": counts[name]["micro_batches"],
             "seconds": seconds[name],
         }
         for name in names
