@@ -2939,8 +2939,9 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 # %% [markdown]
 # The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
 # schedule (which counts the steps) and the history. All of it goes into
-# `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on, drawing
-# the same random numbers as a run never stopped.
+# `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on. Each
+# epoch seeds its own dropout, so the rerun draws the same random numbers as a run never
+# stopped.
 
 
 # %%
@@ -2954,12 +2955,12 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
     kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
-    trainer.seed_dropout(settings.seed, rank)  # each process its own; last.pt's if it resumes
     history = trainer.load_last(folder, kept, rank=rank, world_size=processes.world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
+        trainer.seed_dropout(settings.seed, epoch, rank)  # each epoch and process its own
         batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
         began = time.perf_counter()
         train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule,
@@ -2970,7 +2971,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
         history = [*history, record | scores(rank=rank)]
         if rank == 0:
             print(trainer.epoch_line(history[-1]))
-        trainer.save_last(folder, kept, history, rank=rank, average_last=settings.average_last)
+        trainer.save_last(folder, kept, history, rank=rank, world_size=processes.world_size,
+                          average_last=settings.average_last)  # fmt: skip
     if rank == 0 and settings.average_last > 1:  # §6.1
         history = average_last_epochs(model, history, folder, settings.average_last, scores)
     trainer.save_final(folder, model, history, rank)
@@ -3902,8 +3904,8 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #
 # One optimizer step trains on $W$ ranks' batches, so the schedule moves $W$ steps at once.
 #
-# Only rank 0 translates the validation set after each epoch, and writes the checkpoints,
-# with every rank's random states. Part 6's loop does not change: `DDPProcesses`, below,
+# Only rank 0 translates the validation set after each epoch, and writes the checkpoints.
+# Each rank seeds its own dropout. Part 6's loop does not change: `DDPProcesses`, below,
 # stands in for `Processes`.
 
 

@@ -1,4 +1,4 @@
-"""The plumbing under the notebook: files, checkpoints, random states, machine facts.
+"""The plumbing under the notebook: files, checkpoints, machine facts.
 
 Nothing here teaches the Transformer, so it lives outside the lesson. What it guarantees:
 
@@ -8,8 +8,6 @@ Nothing here teaches the Transformer, so it lives outside the lesson. What it gu
 * every problem with an input raises one line (`DataError`, `CheckpointError`) that
   names the file and says what to do;
 * checkpoints are read with `torch.load(weights_only=True)`: they cannot run code;
-* the random states of Python, NumPy and torch are saved and restored whole, so a
-  resumed run draws the same numbers as one never interrupted;
 * a run's folder is named by what training reaches (`run_folder`, `code_reached`): the
   settings that shape it, the data, torch's version and the code that `train` calls.
 
@@ -27,7 +25,6 @@ import io
 import json
 import os
 import platform
-import random
 import re
 import shutil
 import socket
@@ -39,7 +36,6 @@ import types
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
@@ -425,7 +421,7 @@ def what_changed(folder: Path) -> str:
     return differences(mine, json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text()))
 
 
-# --- checkpoints and random states --------------------------------------------------------
+# --- checkpoints --------------------------------------------------------------------------
 
 
 def save_checkpoint(path: Path, **content) -> None:
@@ -448,33 +444,6 @@ def read_checkpoint(path: Path) -> dict:
             say("{path} is damaged or truncated ({kind}): delete it", path=path,
                 kind=type(error).__name__)
         ) from error  # fmt: skip
-
-
-def random_states() -> dict:
-    """Every random-number state that training draws from, as tensors and numbers."""
-    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    _, keys, position, has_gauss, cached_gauss = np.random.get_state()  # MT19937
-    states["numpy"] = {
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "position": int(position),
-        "has_gauss": int(has_gauss),
-        "cached_gauss": float(cached_gauss),
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_random_states(states: dict) -> None:
-    """Put back the states that random_states() took."""
-    torch.set_rng_state(states["torch"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    mt = states["numpy"]
-    keys = mt["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, mt["position"], mt["has_gauss"], mt["cached_gauss"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # --- several processes --------------------------------------------------------------------

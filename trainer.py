@@ -7,7 +7,7 @@ the two are the checkpoint's format. Then come the final model (`save_final`, `l
 the weights kept for averaging, and the run's record (`run_record`).
 
 A run's folder (`run_folder`, named by what training reaches) comes from plumbing.py, like
-the files and random states. This module imports plumbing and nothing else of the project:
+the files. This module imports plumbing and nothing else of the project:
 never the notebook or its `.py` twin (a test holds the import direction). DDP's worker
 processes, which need the twin's `train`, start from tools/train_ddp.py.
 """
@@ -31,9 +31,7 @@ from plumbing import (  # noqa: F401 (run_folder: the notebook and the tools cal
     gather_from_ranks,
     gpu_report,
     peak_memory_gb,
-    random_states,
     read_checkpoint,
-    restore_random_states,
     run_folder,
     save_checkpoint,
     say,
@@ -48,10 +46,12 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext
 
 
-def seed_dropout(seed: int, rank: int) -> None:
-    """Seed a fresh run's dropout (Python, NumPy and torch): each rank its own stream.
-    The batches have a generator of their own, seeded by the settings' seed and the epoch."""
-    seed = seed + 7919 * (rank + 1)
+def seed_dropout(seed: int, epoch: int, rank: int) -> None:
+    """Seed one epoch's dropout (Python, NumPy and torch) from the run's seed, the epoch and
+    the rank: each rank draws its own numbers, and a run that goes on from a finished epoch
+    draws what a run never stopped would. The batches have a generator of their own,
+    seeded by the settings' seed and the epoch."""
+    seed = seed + 7919 * (rank + 1) + 104729 * epoch
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -68,24 +68,23 @@ def made_of(folder: Path) -> dict:
     return {k: v for k, v in manifest.items() if k != "python"}
 
 
-def save_last(folder: Path, kept: dict, history: list[dict], *, rank=0, average_last=1) -> None:
+def save_last(folder: Path, kept: dict, history: list[dict], *, rank=0, world_size=1,
+              average_last=1) -> None:  # fmt: skip
     """Write last.pt after a finished epoch: the loop's `kept` objects (model, optimizer,
-    schedule), its history, every rank's random states, and what the run is made
-    of; and, if the run averages, the epoch's weights. Every rank calls it; rank 0 writes."""
-    ranks = gather_from_ranks(random_states())
+    schedule), its history, how many processes trained, and what the run is made of; and,
+    if the run averages, the epoch's weights. Every rank calls it; rank 0 writes."""
     if rank == 0:
         keep_for_average(folder, kept["model"], history[-1]["epoch"], average_last)
         save_checkpoint(
             Path(folder) / "last.pt", model=kept["model"].state_dict(),
             optimizer=kept["optimizer"].state_dict(), schedule=kept["schedule"].state_dict(),
-            history=history, random=ranks,
-            made_of=made_of(folder),
+            history=history, processes=world_size, made_of=made_of(folder),
         )  # fmt: skip
 
 
 def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] | None:
-    """Put last.pt back into the loop's `kept` objects and this rank's random states, as
-    save_last wrote them; return the history so far ([] if no epoch has finished)."""
+    """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
+    history so far ([] if no epoch has finished)."""
     path = Path(folder) / "last.pt"
     checkpoint = read_checkpoint(path) if path.is_file() else None
     epochs = gather_from_ranks(len(checkpoint["history"]) if checkpoint else None)
@@ -100,13 +99,13 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
         )
     if checkpoint is None:
         return []
-    if len(checkpoint["random"]) != world_size:
+    if checkpoint["processes"] != world_size:
         raise CheckpointError(
             say(
                 "{path} was written by a run on {n} process(es), not {world_size}: resume with "
                 "as many, or retrain",
                 path=path,
-                n=len(checkpoint["random"]),
+                n=checkpoint["processes"],
                 world_size=world_size,
             )
         )
@@ -114,7 +113,6 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] |
     load_weights(kept["model"], checkpoint["model"], path)
     kept["optimizer"].load_state_dict(checkpoint["optimizer"])
     kept["schedule"].load_state_dict(checkpoint["schedule"])
-    restore_random_states(checkpoint["random"][rank])
     epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
     if rank == 0:  # once, not once per process
         print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))

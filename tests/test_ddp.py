@@ -125,27 +125,32 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, multi30
 
 
 class Started(Exception):
-    """The run stopped right after trainer.load_last."""
+    """The run stopped on purpose, once its first epoch had seeded its dropout."""
 
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, monkeypatch):
-    """The notebook's `train` seeds the model with the settings' seed, then seeds dropout
-    by rank. One process stands for each rank in turn: world_size stays 1, so no process
-    group is needed, and `train` stops right after loading (nothing to load here)."""
-    load, seen = trainer.load_last, []
+    """The notebook's `train` seeds the model with the settings' seed, then each epoch's
+    dropout by rank. One process stands for each rank in turn: world_size stays 1, so no
+    process group is needed, and `train` stops right after seeding its first epoch."""
+    seed, seen, models = trainer.seed_dropout, [], []
 
-    def load_and_stop(folder, kept, **options):
-        load(folder, kept, **options)
-        weights = torch.cat([p.detach().flatten() for p in kept["model"].parameters()])
+    def seed_and_stop(*args):
+        seed(*args)
+        weights = torch.cat([p.detach().flatten() for p in models[-1].parameters()])
         seen.append((weights, torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0))
         raise Started
 
-    monkeypatch.setattr(trainer, "load_last", load_and_stop)
+    monkeypatch.setattr(trainer, "seed_dropout", seed_and_stop)
+
+    def build(settings, vocabs):
+        models.append(at.model_for(settings, vocabs))
+        return models[-1]
 
     def started(rank: int) -> tuple:
         torch.manual_seed(100 + len(seen))  # whatever ran before: train seeds its own
         with pytest.raises(Started):
-            at.train(TINY, tiny_data(), tmp_path, device=CPU, processes=at.Processes(rank=rank))
+            processes = at.Processes(rank=rank)
+            at.train(TINY, tiny_data(), tmp_path, device=CPU, processes=processes, build=build)
         return seen[-1]
 
     (weights_0, mask_0), (weights_1, mask_1) = started(0), started(1)
@@ -178,7 +183,7 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
     last = read_checkpoint(folder / "last.pt")
     assert last["schedule"]["last_epoch"] == 2 * per_epoch and len(last["history"]) == 1
-    assert len(last["random"]) == 2 and not torch.equal(*(r["torch"] for r in last["random"]))
+    assert last["processes"] == 2
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
         read_checkpoint(

@@ -7,9 +7,7 @@ import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 import plumbing
 
@@ -74,28 +72,3 @@ def test_a_folder_that_cannot_be_made_is_one_clear_line(tmp_path):
     message = str(error.value)
     assert message.startswith(f"cannot create the folder {target.parent}: ")
     assert "\n" not in message and not (tmp_path / "nowhere").exists()
-
-
-def test_numpy_random_state_round_trips_mid_stream():
-    """The whole MT19937 state comes back, including the position inside the key
-    block and the cached Gaussian, not a fixed position of 624."""
-    np.random.seed(3)
-    np.random.random(5)  # moves the position inside the 624-word block
-    np.random.standard_normal()  # leaves a second Gaussian cached (has_gauss = 1)
-    assert np.random.get_state()[2] != 624 and np.random.get_state()[3] == 1
-    states = plumbing.random_states()
-    expected = (np.random.random(7), np.random.standard_normal(3))
-    np.random.seed(99)  # something else entirely
-    plumbing.restore_random_states(states)
-    again = (np.random.random(7), np.random.standard_normal(3))
-    assert np.array_equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
-
-
-def test_random_states_survive_a_weights_only_checkpoint(tmp_path):
-    np.random.seed(5)
-    np.random.random(10)
-    plumbing.save_checkpoint(tmp_path / "r.pt", random=plumbing.random_states())
-    expected = np.random.random(4)
-    loaded = torch.load(tmp_path / "r.pt", weights_only=True)["random"]
-    plumbing.restore_random_states(loaded)
-    assert np.array_equal(np.random.random(4), expected)

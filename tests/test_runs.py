@@ -162,8 +162,8 @@ def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
 def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
     quick_data, tmp_path, monkeypatch
 ):
-    """trainer.save_last gathers every rank's random states with plumbing.gather_from_ranks:
-    its code counts."""
+    """trainer.load_last asks every rank how many epochs its checkpoint holds, with
+    plumbing.gather_from_ranks: its code counts."""
     unedited = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     path = inspect.getsourcefile(plumbing)
     text = (ROOT / "plumbing.py").read_text(encoding="utf-8")
