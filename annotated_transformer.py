@@ -2950,29 +2950,27 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     """Train a translator on `data`; go on from the last finished epoch in `folder` if any.
     `build` makes the model (Part 11 hands in another)."""
     model = build(settings, data.vocabs).to(device)  # the same in every process
-    en, rank = data.vocabs["en"], processes.rank
+    en, rank, world_size = data.vocabs["en"], processes.rank, processes.world_size
     criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
     kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
-    history = trainer.load_last(folder, kept, rank=rank, world_size=processes.world_size)
+    history = trainer.load_last(folder, kept, rank=rank, world_size=world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
-    options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm)
+    options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, autocast=autocast)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
         trainer.seed_dropout(settings.seed, epoch, rank)  # each epoch and process its own
         batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
         began = time.perf_counter()
-        train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule,
-                                     autocast=autocast, **options)  # fmt: skip
+        train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule, **options)
         record = {"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - began,
                   "tokens": sum(b.ntokens for b in batches), "step": schedule.last_epoch,
                   "rate": schedule.get_last_lr()[0]}  # fmt: skip
         history = [*history, record | scores(rank=rank)]
         if rank == 0:
             print(trainer.epoch_line(history[-1]))
-        trainer.save_last(folder, kept, history, rank=rank, world_size=processes.world_size,
-                          average_last=settings.average_last)  # fmt: skip
+        trainer.save_last(folder, kept, history, rank, world_size, settings.average_last)
     if rank == 0 and settings.average_last > 1:  # §6.1
         history = average_last_epochs(model, history, folder, settings.average_last, scores)
     trainer.save_final(folder, model, history, rank)

@@ -68,7 +68,7 @@ def made_of(folder: Path) -> dict:
     return {k: v for k, v in manifest.items() if k != "python"}
 
 
-def save_last(folder: Path, kept: dict, history: list[dict], *, rank=0, world_size=1,
+def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1,
               average_last=1) -> None:  # fmt: skip
     """Write last.pt after a finished epoch: the loop's `kept` objects (model, optimizer,
     schedule), its history, how many processes trained, and what the run is made of; and,

@@ -48,8 +48,8 @@ def stopped_after_saving(epoch: int):
     save = trainer.save_last
 
     @functools.wraps(save)
-    def save_then_stop(folder, kept, history, **options):
-        save(folder, kept, history, **options)
+    def save_then_stop(folder, kept, history, *args):
+        save(folder, kept, history, *args)
         if len(history) == epoch + 1:
             raise Stopped
 
