@@ -157,6 +157,11 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, 
     assert torch.equal(weights_0, weights_1)
     assert (mask_0 != mask_1).float().mean() > 0.3  # independent masks differ in ~half
     assert torch.equal(started(1)[1], mask_1), "a rank's stream is the same on every run"
+    epochs = []
+    for epoch in (0, 1):
+        seed(TINY.seed, epoch, 0)
+        epochs.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
+    assert (epochs[0] != epochs[1]).float().mean() > 0.3, "each epoch draws its own numbers"
 
 
 def rank_steps_per_epoch(data, settings, world_size: int = 2) -> int:
