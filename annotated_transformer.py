@@ -2988,7 +2988,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 
 # %% active="ipynb"
 # device = pick_device()
-# folder = trainer.run_folder(settings, data, globals(), DATA_DIR, retrain=False)
+# folder = plumbing.run_folder(settings, data, globals(), DATA_DIR, retrain=False)
 # run_steps = total_steps(data.train, settings)
 # end = "reaches zero after the last" if settings.schedule == "linear" else "never reaches zero"
 # print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps;")

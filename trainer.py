@@ -25,14 +25,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from plumbing import (  # noqa: F401 (run_folder: the notebook and the tools call it here)
+from plumbing import (
     CheckpointError,
     differences,
     gather_from_ranks,
     gpu_report,
     peak_memory_gb,
     read_checkpoint,
-    run_folder,
     save_checkpoint,
     say,
     what_changed,

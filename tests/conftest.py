@@ -244,7 +244,7 @@ def train_as_the_notebook(settings, data, data_dir, namespace=None, *, device=CP
     import trainer
 
     names = vars(annotated_transformer) if namespace is None else namespace
-    folder = trainer.run_folder(settings, data, names, data_dir)
+    folder = plumbing.run_folder(settings, data, names, data_dir)
     finished = trainer.load_final(folder, names["model_for"](settings, data.vocabs).to(device))
     model, history = finished or names["train"](settings, data, folder, device=device)
     return model, history, folder

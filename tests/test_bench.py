@@ -15,6 +15,7 @@ from conftest import ROOT
 from torch.utils.flop_counter import FlopCounterMode
 
 import annotated_transformer as at
+import plumbing
 import trainer
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -32,7 +33,7 @@ def data_dir(tmp_path_factory, multi30k):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(multi30k))
         data = at.prepare_data(SMOKE, folder)
-    run_folder = trainer.run_folder(SMOKE, data, vars(at), folder)
+    run_folder = plumbing.run_folder(SMOKE, data, vars(at), folder)
     at.set_seed(0)
     model = at.model_for(SMOKE, data.vocabs)
     trainer.save_final(run_folder, model, history=[])

@@ -25,6 +25,7 @@ from conftest import (
 )  # fmt: skip
 
 import annotated_transformer as at
+import plumbing
 import trainer
 from plumbing import CheckpointError, read_checkpoint
 
@@ -68,7 +69,7 @@ def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
     straight, straight_history, _ = train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "a")
     with stopped_after_saving(epoch=0):
         train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
-    folder = trainer.run_folder(TWO_EPOCHS, quick_data, vars(at), tmp_path / "b")
+    folder = plumbing.run_folder(TWO_EPOCHS, quick_data, vars(at), tmp_path / "b")
     last = read_checkpoint(folder / "last.pt")
     assert (
         len(last["history"]) == 1 and last["schedule"]["last_epoch"] == last["history"][0]["step"]
@@ -164,8 +165,8 @@ def test_a_checkpoint_copied_from_a_run_on_other_vocabularies_stops_in_one_line(
     de = data.vocabs["de"]
     other = at.Vocab([*de.itos[:4], *reversed(de.itos[4:])])  # the same size, other ids
     others = dataclasses.replace(data, vocabs={"de": other, "en": data.vocabs["en"]})
-    mine = trainer.run_folder(TINY, data, vars(at), tmp_path)
-    theirs = trainer.run_folder(TINY, others, vars(at), tmp_path)
+    mine = plumbing.run_folder(TINY, data, vars(at), tmp_path)
+    theirs = plumbing.run_folder(TINY, others, vars(at), tmp_path)
     assert mine != theirs
     model, kept = at.model_for(TINY, others.vocabs), loop_objects(TINY, others.vocabs)
     trainer.save_final(theirs, model, [{"epoch": 0}])
@@ -192,6 +193,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 import annotated_transformer as at
+import plumbing
 import trainer
 from stopping_jobs import stop_after_step
 
@@ -201,7 +203,7 @@ if kill_at:
     stop_after_step(kill_at, lambda: os.kill(os.getpid(), signal.SIGKILL))
 data = at.prepare_data(settings, data_dir)
 # the notebook's training cell
-folder = trainer.run_folder(settings, data, vars(at), data_dir)
+folder = plumbing.run_folder(settings, data, vars(at), data_dir)
 finished = trainer.load_final(folder, at.model_for(settings, data.vocabs))
 model, history = finished or at.train(settings, data, folder, device=torch.device("cpu"))
 torch.save({"model": model.state_dict(), "history": history}, out)
@@ -255,7 +257,7 @@ def test_sigkill_mid_epoch_then_rerun_is_bit_identical_averaging_included(quick_
     killed, _ = run_child(tmp_path, tmp_path / "killed", kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # the folder that this process names for the run: the one the child trained in
-    folder = trainer.run_folder(KILLED, quick_data, vars(at), tmp_path / "killed")
+    folder = plumbing.run_folder(KILLED, quick_data, vars(at), tmp_path / "killed")
     last = read_checkpoint(folder / "last.pt")
     assert len(last["history"]) == 2 and last["schedule"]["last_epoch"] == 2 * steps // 3
     assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()

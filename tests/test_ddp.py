@@ -15,6 +15,7 @@ import torch
 from conftest import CPU, ROOT, assert_same_weights, prepared_data, tiny_data, tiny_settings
 
 import annotated_transformer as at
+import plumbing
 import trainer
 from plumbing import CheckpointError, free_port, read_checkpoint
 from tools import train_ddp
@@ -185,14 +186,14 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     with pytest.raises(Exception, match=f"stopped on purpose at step {per_epoch + 2}"):
         stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=per_epoch + 2)
     # the stopped job's optimizer was instrumented, its folder is still the run's own
-    folder = trainer.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
+    folder = plumbing.run_folder(settings, data, vars(at), tmp_path / "stopped", roots=DDP)
     last = read_checkpoint(folder / "last.pt")
     assert last["schedule"]["last_epoch"] == 2 * per_epoch and len(last["history"]) == 1
     assert last["processes"] == 2
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
         read_checkpoint(
-            trainer.run_folder(settings, data, vars(at), tmp_path / run, roots=DDP) / "final.pt"
+            plumbing.run_folder(settings, data, vars(at), tmp_path / run, roots=DDP) / "final.pt"
         )
         for run in ("straight", "stopped")
     )
@@ -295,7 +296,7 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
     )
     assert result.returncode == 0, result.stderr[-2000:]
     final = read_checkpoint(
-        trainer.run_folder(smoke, data, vars(at), tmp_path, roots=DDP) / "final.pt"
+        plumbing.run_folder(smoke, data, vars(at), tmp_path, roots=DDP) / "final.pt"
     )
     assert len(final["history"]) == smoke.epochs
 

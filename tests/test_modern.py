@@ -9,6 +9,7 @@ from conftest import quick_settings
 from torch import nn
 
 import annotated_transformer as at
+import plumbing
 import trainer
 from plumbing import code_reached
 
@@ -141,7 +142,7 @@ def test_todays_run_is_keyed_by_the_new_parts_and_the_papers_is_not():
 
 def test_train_trains_the_model_its_build_makes(tmp_path, quick_data):
     settings = dataclasses.replace(quick_settings(), name="smoke-modern")
-    folder = trainer.run_folder(
+    folder = plumbing.run_folder(
         settings, quick_data, vars(at), tmp_path, roots=("train", "modern_model_for")
     )
     model, history = at.train(

@@ -111,11 +111,11 @@ DDP = ("train", "DDPProcesses")  # what DDP's workers train with (tools/train_dd
 def test_an_edited_cell_on_the_training_path_names_a_new_folder(
     quick_data, tmp_path, monkeypatch, old, new, roots
 ):
-    unedited = trainer.run_folder(
+    unedited = plumbing.run_folder(
         SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path, roots=roots
     )
     namespace = edited(monkeypatch, old, new)
-    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path, roots=roots) != unedited
+    assert plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path, roots=roots) != unedited
 
 
 @pytest.mark.parametrize(
@@ -136,9 +136,9 @@ def test_an_edited_cell_on_the_training_path_names_a_new_folder(
 def test_an_edit_off_the_training_path_keeps_the_folder(
     quick_data, tmp_path, monkeypatch, old, new
 ):
-    unedited = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    unedited = plumbing.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
     namespace = edited(monkeypatch, old, new)
-    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) == unedited
+    assert plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path) == unedited
 
 
 def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
@@ -152,11 +152,11 @@ def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
     cell = "def loss_of(model, criterion, batch):\n    return batch_loss(model, criterion, batch)\n"
     cell += "\n\n" + source.replace(call, "loss_of(model, criterion, batch).item()")
     namespace = run_cell(cell, lesson_copy(monkeypatch), "cell.py", monkeypatch)
-    folder = trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path)
+    folder = plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path)
     assert "loss_of" in json.loads((folder / "manifest.json").read_text())["code"]
     edited_cell = cell.replace("return batch_loss(", "return 1.0 * batch_loss(")
     namespace = run_cell(edited_cell, lesson_copy(monkeypatch), "cell2.py", monkeypatch)
-    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) != folder
+    assert plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path) != folder
 
 
 def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
@@ -164,7 +164,7 @@ def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
 ):
     """trainer.load_last asks every rank how many epochs its checkpoint holds, with
     plumbing.gather_from_ranks: its code counts."""
-    unedited = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    unedited = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     path = inspect.getsourcefile(plumbing)
     text = (ROOT / "plumbing.py").read_text(encoding="utf-8")
     line = "    torch.distributed.all_gather_object(values, value)\n"
@@ -172,7 +172,7 @@ def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
     edited_text = text.replace(line, "    torch.distributed.all_gather_object(values, obj=value)\n")
     lines = edited_text.splitlines(keepends=True)  # as many lines: the others stay in place
     monkeypatch.setitem(linecache.cache, path, (len(edited_text), None, lines, path))
-    assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) != unedited
+    assert plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path) != unedited
 
 
 # --- every edit on the data path reaches the data ----------------------------------------
@@ -202,7 +202,7 @@ def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
     """No cache on disk stands between an edited cell and the data: prepare_data, run
     again as a student would, builds the data with the edit, in a new run's folder."""
     before = lesson_copy(monkeypatch)["prepare_data"](settings, tmp_path)
-    unedited = trainer.run_folder(settings, before, lesson_copy(monkeypatch), tmp_path)
+    unedited = plumbing.run_folder(settings, before, lesson_copy(monkeypatch), tmp_path)
     namespace = edited(monkeypatch, old, new)
     after = namespace["prepare_data"](settings, tmp_path)  # the same data folder: no cache
     words = [t for t in after.vocabs["en"].itos if t not in at.SPECIALS]
@@ -214,51 +214,51 @@ def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
     else:
         assert len(after.vocabs["en"].merges) == 100 < len(before.vocabs["en"].merges)
     assert after.train != before.train
-    assert trainer.run_folder(settings, after, namespace, tmp_path) != unedited
+    assert plumbing.run_folder(settings, after, namespace, tmp_path) != unedited
 
 
 @pytest.mark.slow
 def test_retrain_moves_the_old_run_aside_and_trains_afresh(quick_data, tmp_path, capsys):
     _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
-    again = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path, retrain=True)
+    again = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path, retrain=True)
     assert again == folder and not (folder / "final.pt").exists()
     (kept,) = (tmp_path / "checkpoints" / "replaced").iterdir()
     assert (kept / "final.pt").is_file() and "moved the earlier run to" in capsys.readouterr().out
 
 
 def test_data_that_changed_names_a_new_folder(quick_data, tmp_path):
-    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    folder = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     fewer = dataclasses.replace(quick_data, train=quick_data.train[:-1])
-    assert trainer.run_folder(SETTINGS, fewer, vars(at), tmp_path) != folder
+    assert plumbing.run_folder(SETTINGS, fewer, vars(at), tmp_path) != folder
 
 
 def test_a_changed_comment_keeps_the_folder(quick_data, tmp_path, monkeypatch):
-    unedited = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    unedited = plumbing.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
     body = "    d_k = query.size(-1)\n"
     commented = edited(monkeypatch, body, body + "    # a note of the student's\n")
-    assert trainer.run_folder(SETTINGS, quick_data, commented, tmp_path) == unedited
+    assert plumbing.run_folder(SETTINGS, quick_data, commented, tmp_path) == unedited
     # the notebook's namespace and the imported twin name the same folder
-    assert trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path) == unedited
+    assert plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path) == unedited
 
 
 def test_a_definition_without_source_is_an_error_not_a_blank(quick_data, tmp_path, monkeypatch):
     namespace = lesson_copy(monkeypatch)
     exec("def attention(**kwargs): pass", namespace)  # no file, no linecache entry
     with pytest.raises(CheckpointError, match="cannot read the code of attention"):
-        trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path)
+        plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path)
 
 
 def test_a_folder_is_named_by_its_preset_and_the_settings_that_shape_training(quick_data, tmp_path):
-    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    folder = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     name, _, key = folder.name.rpartition("-")
     assert folder.parent == tmp_path / "checkpoints" and name == "smoke" and len(key) == 8
     same = {"beam_size": 9, "length_penalty": 0.1}
     assert (
-        trainer.run_folder(dataclasses.replace(SETTINGS, **same), quick_data, vars(at), tmp_path)
+        plumbing.run_folder(dataclasses.replace(SETTINGS, **same), quick_data, vars(at), tmp_path)
         == folder
     )
     others = {
-        trainer.run_folder(
+        plumbing.run_folder(
             dataclasses.replace(SETTINGS, **{field: value}), quick_data, vars(at), tmp_path
         )
         for field, value in [("epochs", 3), ("lr_factor", 0.5), ("seed", 1), ("dropout", 0.2)]
@@ -392,7 +392,7 @@ def test_the_code_reads_the_same_on_python_3_11_3_12_and_3_13(tmp_path):
 def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, tmp_path, other):
     """A final.pt of another model size (or with keys missing), copied into a run's
     folder, stops with one line naming the file and what to do; the file stays."""
-    folder = trainer.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
+    folder = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     wider = dataclasses.replace(SETTINGS, d_model=2 * SETTINGS.d_model)
     weights = at.model_for(wider if other == "wider" else SETTINGS, quick_data.vocabs).state_dict()
     if other == "missing keys":
@@ -422,6 +422,6 @@ def test_the_chinese_notebooks_code_names_the_english_runs_folder(
     assert sum(not line.isascii() for line in translated.splitlines()) > 300 + sum(
         not line.isascii() for line in SOURCE.splitlines()
     )
-    english = trainer.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
+    english = plumbing.run_folder(SETTINGS, quick_data, lesson_copy(monkeypatch), tmp_path)
     namespace = lesson_copy(monkeypatch, translated)
-    assert trainer.run_folder(SETTINGS, quick_data, namespace, tmp_path) == english
+    assert plumbing.run_folder(SETTINGS, quick_data, namespace, tmp_path) == english

@@ -7,7 +7,7 @@
 It measures what `make run` does, with the notebook's functions from its `.py` twin.
 Training runs in the preset's precision (or --precision), with the run's loss, through
 the notebook's `at.run_epoch`, which clips and steps as a run does; decoding loads the
-run's final checkpoint from its folder (`trainer.run_folder`) and goes through the run's
+run's final checkpoint from its folder (`plumbing.run_folder`) and goes through the run's
 own `at.evaluate_test`, with the preset's beam size and length penalty.
 
 Four comparisons, each measured side by side in one run because machines are noisy:
@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+import plumbing  # noqa: E402
 import trainer  # noqa: E402
 from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
 
@@ -587,7 +588,7 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     at.evaluate_test, which also scores BLEU), and cached against plain recomputation
     with the same keywords: the preset's beam size and length penalty. The model is the
     final checkpoint in the run's folder under data_dir, as `make run` left it."""
-    folder = trainer.run_folder(settings, data, vars(at), data_dir)
+    folder = plumbing.run_folder(settings, data, vars(at), data_dir)
     loaded = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
     if loaded is None:
         return {

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+import plumbing  # noqa: E402
 import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
 from tools.tune import append_record  # noqa: E402
@@ -84,7 +85,7 @@ def main() -> None:
     if args.speed:
         print(json.dumps(speed(settings, data, device)))
         return
-    folder = trainer.run_folder(
+    folder = plumbing.run_folder(
         settings, data, vars(at), at.DATA_DIR / "blocks", roots=BUILDERS[args.block]
     )
     finished = trainer.load_final(folder, build(settings, data.vocabs).to(device))

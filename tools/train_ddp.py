@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import annotated_transformer as twin  # noqa: E402
-import trainer  # noqa: E402
+import plumbing  # noqa: E402
 from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  # noqa: E402
 
 # What a DDP run trains with: the loop, and Part 10's processes that it is given.
@@ -54,7 +54,7 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     dist.barrier()
     if rank != 0:
         data = twin.prepare_data(settings, Path(data_dir))
-    folder = trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+    folder = plumbing.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
     processes = twin.DDPProcesses(rank=rank, world_size=world_size)
     twin.train(settings, data, folder, device=device, processes=processes)
     dist.barrier()  # every rank is done with the group before any leaves it
@@ -82,7 +82,7 @@ def train_distributed(settings, data_dir: Path, world_size: int | None = None) -
     args = (world_size, dataclasses.asdict(settings), str(data_dir), free_port())
     torch.multiprocessing.spawn(ddp_worker, args=args, nprocs=world_size, join=True)
     data = twin.prepare_data(settings, Path(data_dir))
-    return trainer.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+    return plumbing.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
 
 
 def not_in_twin(namespace: dict) -> list[str]:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
+import plumbing  # noqa: E402
 import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
 
@@ -79,7 +80,7 @@ def main() -> None:
     prepare_cpu_memory()  # as the notebook does before training (plumbing.py says why)
     data = at.prepare_data(settings, at.DATA_DIR)
     device = at.pick_device()
-    folder = trainer.run_folder(settings, data, vars(at), at.DATA_DIR / "tune")
+    folder = plumbing.run_folder(settings, data, vars(at), at.DATA_DIR / "tune")
     start = time.perf_counter()
     finished = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
     model, history = finished or at.train(settings, data, folder, device=device)
