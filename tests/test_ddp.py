@@ -176,8 +176,8 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     tmp_path, monkeypatch, multi30k_env
 ):
     """2 ranks with dropout stop in the middle of their second epoch (both raise); the
-    rerun goes on from the first epoch's last.pt, each rank from its own random states,
-    and ends bit-identical to an uninterrupted run, per-epoch losses included."""
+    rerun goes on from the first epoch's last.pt, each rank seeding its second epoch as the
+    uninterrupted run did, and ends bit-identical to it, per-epoch losses included."""
     settings = dataclasses.replace(TINY, dropout=0.1, train_pairs=400)
     fields = dataclasses.asdict(settings)
     stopping_jobs.spawn(fields, tmp_path / "straight", fail_at=0)
@@ -302,8 +302,8 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
 
 
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
-    """A last.pt holds one set of random states per process: a run on another number of
-    processes would resume from the wrong ones, so it stops in one line."""
+    """A last.pt says how many processes trained it: on another number, the ranks would
+    share out other batches, and no uninterrupted run would match; so it stops in one line."""
     settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=1)
 
     def kept() -> dict:

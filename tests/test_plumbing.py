@@ -1,4 +1,4 @@
-"""plumbing.py on its own: caches, fingerprints, random states and atomic writes (its
+"""plumbing.py on its own: fingerprints, machine facts and atomic writes (its
 download and checkpoint functions are also tested in test_data.py and test_checkpoint.py)."""
 
 import os
