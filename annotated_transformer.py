@@ -1331,7 +1331,8 @@ def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
 #    far (the paper does not mention clipping);
 # 2. it steps the optimizer and clears the gradients;
 # 3. it advances the schedule, which counts the optimizer steps. PyTorch names that count
-#    `schedule.last_epoch`, though we advance it once per step, not per epoch.
+#    `schedule.last_epoch`, though we advance it once per step, not per epoch (Part 10's
+#    $W$ processes advance it $W$ times a step).
 
 
 # %%
@@ -2939,9 +2940,10 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 # %% [markdown]
 # The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
 # schedule (which counts the steps) and the history. All of it goes into
-# `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on. Each
-# epoch seeds its own dropout, so the rerun draws the same random numbers as a run never
-# stopped.
+# `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on from the
+# next epoch, training an unfinished one again from its start. Each epoch seeds its own
+# dropout and cuts its batches from the seed and its number, so the rerun draws the same
+# random numbers as a run never stopped.
 
 
 # %%
@@ -3890,8 +3892,8 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 #
 # Four things change:
 #
-# 1. the ranks build the model from one seed, re-seed apart when the run starts (so
-#    their dropout differs), then wrap it in DDP;
+# 1. the ranks build the model from one seed, then wrap it in DDP; each epoch, each rank
+#    seeds its own dropout, so their dropout differs;
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
 #    $W$;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;

@@ -81,7 +81,7 @@ def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=
         )  # fmt: skip
 
 
-def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict] | None:
+def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict]:
     """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
     history so far ([] if no epoch has finished)."""
     path = Path(folder) / "last.pt"
