@@ -107,8 +107,8 @@ if __name__ == "__main__" and "google.colab" in sys.modules:
 # * the presets of this project, the settings of a run.
 #
 # Functions take what they need as arguments. The example cells reuse a few names from
-# part to part, `settings`, `data` and `model` most of all. A folded cell after the
-# imports makes the charts draw offline. Run the cells in order, from the top.
+# part to part, `settings`, `data` and `model` most of all. Run the cells in order, from
+# the top.
 
 # %%
 import contextlib
@@ -255,8 +255,6 @@ class TokenEmbedding(nn.Module):
 # * **Longer sentences.** Learned position vectors gave "nearly identical results"
 #   (Table 3, row E), but exist only for positions seen in training; a formula covers
 #   every position, so the model may cope with longer sentences.
-#
-# Dropout is applied to the sum.
 
 
 # %%
@@ -477,8 +475,8 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 # * **encoder-decoder attention**: queries from the decoder, keys and values from the
 #   encoder's output, so each word being written can look at every source word.
 #
-# **Why attention pays** (§4). The paper's Table 1 puts Background's shorter paths in
-# numbers. For a sentence of $n$ words, each a vector of width $d$:
+# **Why attention pays** (§4, Table 1). For a sentence of $n$ words, each a vector of
+# width $d$:
 #
 # | layer | work per layer | steps that must wait for each other | longest path between two words |
 # |---|---|---|---|
@@ -547,7 +545,7 @@ class FeedForward(nn.Module):
 # > $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ (pre-norm).
 # > Xiong et al. (2020) show that post-norm starts with large gradients near the output,
 # > hence its need for a learning-rate warm-up (Part 2). `pre_norm=True` switches every
-# > layer; the cpu preset uses it. Part 11 builds the rest of today's block.
+# > layer; the cpu preset uses it.
 #
 # `ResidualSublayer` takes the sub-layer as a function, so one class serves attention
 # and the feed-forward block.
@@ -586,9 +584,8 @@ class ResidualSublayer(nn.Module):
 # > sub-layers. The first is a multi-head self-attention mechanism, and the second is a
 # > simple, position-wise fully connected feed-forward network."
 #
-# A layer's sizes travel in one record, with the paper's base model as defaults. An
-# encoder layer wraps its two sub-layers in residual connections; the encoder stacks $N$
-# of them, plus a final LayerNorm when pre-norm, whose last sum is otherwise raw.
+# An encoder layer wraps its two sub-layers in residual connections; the encoder stacks
+# $N$ of them, plus a final LayerNorm when pre-norm, whose last sum is otherwise raw.
 
 
 # %%
@@ -765,9 +762,8 @@ class EncoderDecoder(nn.Module):
 
 
 # %% [markdown]
-# `make_model` builds the model from two vocabulary sizes and a `ModelConfig`: a layer's
-# record, plus the number of layers $N$, the positional tables' length and weight
-# sharing. No config means the base model.
+# `make_model` builds the model from two vocabulary sizes and a `ModelConfig`; no config
+# means the base model.
 #
 # > * *Initialisation*, on which the paper is silent: Xavier-uniform for every weight
 # >   matrix, as in PyTorch's `nn.Transformer`, but tensor2tensor's for the embeddings
@@ -980,13 +976,9 @@ def count_parameters(model: nn.Module) -> int:
 # * the **causal mask** stops target position $i$ from seeing positions $> i$, which do
 #   not exist yet at inference.
 #
-# A batch takes padded source ids, (B, S), and target ids, (B, T + 1), and keeps:
-#
-# * the source mask (B, 1, S), true at real source tokens;
-# * the decoder's input (B, T), the target without its last token;
-# * the decoder's answer (B, T), the target without its first token;
-# * the target mask (B, T, T), padding mask and causal mask combined;
-# * the count of real tokens in the answer, by which the loss is averaged.
+# A batch takes padded source ids, (B, S), and target ids, (B, T + 1), and keeps the
+# decoder's input and answer, the source and target masks, and the count of real tokens in
+# the answer, by which the loss is averaged.
 
 
 # %%
@@ -1059,9 +1051,6 @@ class Batch:
 # The first sum, $q$'s negative entropy, is a constant: it leaves the gradient alone and
 # makes the loss 0 exactly when $p = q$, so even a confident one-hot prediction of the
 # right word scores above 0. Padding positions contribute nothing.
-#
-# The loss takes log-probabilities (n, V), one row per position of a batch, and the
-# right ids (n,), and returns the summed loss. A helper builds $q$.
 
 
 # %%
@@ -1215,11 +1204,9 @@ def linear_rate(step: int, *, d_model: int, warmup: int, total: int, factor: flo
 
 
 # %% [markdown]
-# The optimizer is Adam with the paper's settings and a base rate of 1.0, which
-# PyTorch's `LambdaLR` multiplies by our schedule. It counts steps from 0, where the
-# formula is undefined, so we shift them by one. The linear schedule needs to know where
-# the run ends, so it takes the run's total number of steps, and refuses an end within
-# its warm-up.
+# The optimizer is Adam with the paper's settings and a base rate of 1.0, which PyTorch's
+# `LambdaLR` multiplies by our schedule. It counts steps from 0, where the formula is
+# undefined, so we shift them by one.
 
 
 # %%
@@ -1302,10 +1289,9 @@ def make_optimizer(model, settings: Settings, *, fused=False, total_steps=None):
 # * the optimizer steps on a group's last micro-batch, or the epoch's last;
 # * the returned loss is the mean per real target token over the epoch.
 #
-# Two optional arguments serve Part 6's real run and change nothing by default: a bound
-# on the gradient's norm (two cells down), and `autocast`. PyTorch's autocast runs matrix
-# products in *bf16*, a 16-bit format with float32's range but fewer digits, a few
-# precision-sensitive operations in float32, and the rest in their inputs' type.
+# Two optional arguments serve Part 6's real run and change nothing by default: a bound on
+# the gradient's norm (two cells down), and `autocast`. Autocast runs matrix products in
+# *bf16*, a 16-bit format with float32's range but fewer digits.
 
 
 # %%
@@ -1411,9 +1397,6 @@ def evaluate(batches, model, criterion, *, autocast=contextlib.nullcontext) -> f
 # %% [markdown]
 # The same on a model: micro-batches of 8 and 2 real target tokens, accumulated,
 # take the same SGD step as their three sentences padded into one batch.
-#
-# A helper takes one SGD step on a copy of the model and returns its parameters as one
-# vector, so the two results can be compared.
 
 
 # %%
@@ -1617,8 +1600,9 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 # * accumulation over two micro-batches, to exercise it.
 #
 # Each epoch draws 40 fresh batches of 64, so the model must learn the rule. Every 5
-# epochs it prints the loss on 4 unseen batches: slow to fall during warm-up, then down
-# by orders of magnitude once the decoder attends to the position it copies.
+# epochs it prints the loss on 4 unseen batches. A blind guess among the 13 ids would
+# score ln 13 ≈ 2.6; at the end of warm-up the loss is well below that, and 100 steps
+# later it has fallen by orders of magnitude.
 
 
 # %%
@@ -1648,9 +1632,7 @@ def train_copy_task(
         run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2)
         if epoch % 5 == 0:
             loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
-            print(
-                f"epoch {epoch:2d}  optimizer steps {schedule.last_epoch:4d}  val loss {loss:.4f}"
-            )
+            print(f"epoch {epoch:2d}  steps {schedule.last_epoch:4d}  val loss {loss:.4f}")
     return model
 
 
@@ -1788,16 +1770,6 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # | train | 29,000 | training and the vocabularies |
 # | validation | 1,014 | BLEU during training, and the presets' tuning |
 # | test2016 (flickr) | 1,000 | the final score, never a choice |
-#
-# From files to batches:
-#
-# 1. *Getting the data*: download the three splits and check them;
-# 2. *Tokenization*: split sentences into words and punctuation;
-# 3. *Vocabulary* and *Sub-words*: map tokens to ids;
-# 4. *Batching*: group sentences of similar length under a token budget;
-# 5. *Putting the data together*: one function runs it all for a preset.
-#
-# The next cell imports the data tools and names the data and build folders.
 
 # %%
 import io
@@ -1818,8 +1790,8 @@ DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
 BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
-# One line of plumbing makes the C library keep large freed blocks for reuse, so CPU
-# training asks for memory less often (plumbing.py gives the speed-up).
+# One line of plumbing makes CPU training ask for memory less often (plumbing.py gives the
+# speed-up).
 
 # %% active="ipynb"
 # from plumbing import prepare_cpu_memory
@@ -1905,9 +1877,9 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizers: dict) -> dict[str, 
 # | `<blank>` | padding, to make sentences of a batch equally long |
 # | `<unk>` | a word the vocabulary does not know |
 #
-# The four specials always take ids 0 to 3. After them come the tokens seen often enough,
-# most frequent first. In the toy example, "a" (3 times) and "dog" (twice) get ids 4 and
-# 5; "cat", seen once, becomes `<unk>`.
+# After the four specials come the tokens seen often enough, most frequent first. In the
+# toy example, "a" (3 times) and "dog" (twice) get ids 4 and 5; "cat", seen once, becomes
+# `<unk>`.
 
 # %%
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<blank>", "<unk>"
@@ -2607,10 +2579,10 @@ def bleu_scores(hypotheses: list[list[str]], references: list[str], ref_tokens) 
 
 
 # %% [markdown]
-# Training prints greedy validation BLEU after every epoch, a few seconds on the cpu
-# preset. It also keeps each epoch's translations of three short validation sentences,
-# shown in "Watch it learn". The cell after checks the detokenizer's two fixes, and that
-# a copy of the reference scores 100 on both BLEUs.
+# Training prints greedy validation BLEU after every epoch. It also keeps each epoch's
+# translations of three short validation sentences, shown in "Watch it learn". The cell
+# after checks the detokenizer's two fixes, and that a copy of the reference scores 100 on
+# both BLEUs.
 
 
 # %%
@@ -2648,11 +2620,11 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # repeats work: at step $t$ it reruns the decoder over all $t$ words, though under the
 # causal mask the first $t - 1$ give the same keys and values as before.
 #
-# *Incremental decoding* feeds only the newest word, through the layers' own weights,
-# so it matches the full recompute up to float rounding. The encoder's keys and values
-# are projected once. In each decoder layer, the newest word's key and value are
-# appended to that layer's cache (the "KV cache"), and its query attends to all of it,
-# unmasked, as all of it is past. `make bench` times the two.
+# *Incremental decoding* feeds only the newest word, through the layers' own weights, so
+# it matches the full recompute up to float rounding. The encoder's keys and values are
+# projected once. In each decoder layer, the newest word's key and value are appended to
+# that layer's cache (the "KV cache"), and its query attends to all of it, unmasked, as
+# all of it is past.
 #
 # The cache keeps keys and values already projected, so it needs the second half of
 # Part 1's multi-head attention alone.
@@ -2802,9 +2774,8 @@ class CachedPrefix(FullPrefix):
 # * optionally, the average of the last epochs' weights, as the paper did (§6.1).
 #
 # Everything that shapes what is learned is a setting, fixed before the first step and
-# shown in the table below: the model's size, the number of epochs, the rate and where it
-# ends, the precision. So every machine follows the same recipe; a slower one only takes
-# longer.
+# shown in the table below. So every machine follows the same recipe; a slower one only
+# takes longer.
 #
 # ### The presets
 #
@@ -2878,7 +2849,7 @@ def total_steps(pairs, settings, processes=Processes()) -> int:
 
 
 # %% [markdown]
-# The model of the preset's size, and the device: CUDA, else Apple's MPS, else the CPU.
+# The model of the preset's size, and the device.
 
 
 # %%
@@ -2980,13 +2951,12 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 
 
 # %% [markdown]
-# Where does a run live? In a folder under data/checkpoints, named by the settings that
-# shape training, the data, torch's version, and the code that `train` calls, followed
-# through calls; `globals()` hands over this notebook's definitions. Rerun the cell and
-# it loads the trained model in seconds. An edit on that path, such as to `attention`, trains a new
-# model beside the old one; an edit off it, such as to beam search, keeps it.
-# `retrain=True` trains afresh, moving the old run aside.
-# With the cpu preset it trains for about 18 minutes on two cores: read on meanwhile.
+# A run lives in a folder under data/checkpoints, named by the settings that shape
+# training, the data, torch's version, and the code that `train` calls, followed through
+# calls. Rerun the cell and it loads the trained model in seconds. An edit on that path,
+# such as to `attention`, trains a new model beside the old one; an edit off it, such as
+# to beam search, keeps it. `retrain=True` trains afresh, moving the old run aside. With
+# the cpu preset it trains for about 18 minutes on two cores: read on meanwhile.
 
 # %% active="ipynb"
 # device = pick_device()
@@ -3087,11 +3057,10 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # records](results/README.md)), most on an earlier, wider preset; a second seed alone
 # moves BLEU by about a point, so treat smaller gaps as ties.
 #
-# **A schedule that ends.** The paper's rate never gets small (Part 2), yet only small
-# steps let the weights settle. For runs of a known length, Li, Yumer and Ramanan
-# ("Budgeted Training", ICLR 2020) found a rate that falls linearly to zero at the end of
-# the budget "both robust and high-performing". Our linear schedule draws that line
-# after the paper's warm-up and peak.
+# **A schedule that ends.** For runs of a known length, Li, Yumer and Ramanan ("Budgeted
+# Training", ICLR 2020) found a rate that falls linearly to zero at the end of the budget
+# "both robust and high-performing". Our linear schedule draws that line after the paper's
+# warm-up and peak.
 
 
 # %%
@@ -3740,11 +3709,8 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # sentence_ids = german_ids(ATTENTION_SENTENCE, data.vocabs)
 # src_tokens, tgt_tokens, maps = translate_with_attention(model, sentence_ids, data.vocabs)
 # print("German tokens: ", " ".join(src_tokens), "\nEnglish tokens:", " ".join(tgt_tokens))
-# assert maps["encoder-decoder attention"][0].shape == (
-#     settings.h,
-#     len(tgt_tokens) - 1,
-#     len(src_tokens),
-# )
+# cross_shape = (settings.h, len(tgt_tokens) - 1, len(src_tokens))  # (h, T_q, T_k)
+# assert maps["encoder-decoder attention"][0].shape == cross_shape
 # assert torch.allclose(
 #     maps["encoder self-attention"][0].sum(-1), torch.ones(settings.h, len(src_tokens))
 # )
@@ -3897,16 +3863,17 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
 #    $W$;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
-# 4. DDP divides the summed gradients by $W$, so each rank divides its loss by a $W$-th
-#    of the step's tokens on all ranks: the mean per token of the whole step.
+# 4. DDP divides the summed gradients by $W$, so each rank divides its summed loss by
+#    $T/W$, where $T$ counts the step's target tokens on all ranks (with $W = 2$ and
+#    $T = 3{,}000$: by 1,500). The result is the gradient of the whole step's mean loss
+#    per token.
 #
 # Why equal shares? A rank one batch short would miss an all-reduce: the rest hang or fail.
 #
 # One optimizer step trains on $W$ ranks' batches, so the schedule moves $W$ steps at once.
 #
 # Only rank 0 translates the validation set after each epoch, and writes the checkpoints.
-# Each rank seeds its own dropout. Part 6's loop does not change: `DDPProcesses`, below,
-# stands in for `Processes`.
+# Part 6's loop does not change: `DDPProcesses`, below, stands in for `Processes`.
 
 
 # %%
@@ -3933,8 +3900,7 @@ def shard_batches(batches: list[list[int]], rank: int, world_size: int) -> list[
 
 # %% [markdown]
 # `ddp_epoch` is `run_epoch` for one rank, with changes 3 and 4 and the schedule's $W$
-# steps, numbered in comments. `DDPProcesses` hands all of it to Part 6's `train`, in
-# place of one process: DDP's wrapper, the rank's share of the batches, and its epoch.
+# steps, numbered in comments.
 
 # %%
 from plumbing import sum_over_ranks  # an all-reduce of a few numbers (one process: as is)
@@ -3985,10 +3951,10 @@ class DDPProcesses(Processes):
 
 # %% [markdown]
 # `train_distributed`, in tools/train_ddp.py, starts one process per GPU, or two CPU
-# processes talking through `gloo` on a laptop (the cell below asks for two), and each
-# runs the notebook's `train` with its `DDPProcesses`. A new process cannot see this
-# notebook, so the workers import its `.py` twin: an edit you made here reaches them only
-# after `make sync`, and the cell says so.
+# processes talking through `gloo` on a laptop, and each runs the notebook's `train` with
+# its `DDPProcesses`. A new process cannot see this notebook, so the workers import its
+# `.py` twin: an edit you made here reaches them only after `make sync`, and the cell says
+# so.
 
 # %% active="ipynb"
 # import importlib.util
@@ -4079,11 +4045,10 @@ class DDPProcesses(Processes):
 # dropout and the length limit.
 #
 # `RotaryAttention` is Part 1's multi-head attention with Part 5's `attend` replaced: it
-# turns the queries and keys just before the scores. Part 5's cache keeps keys unturned
-# and hands all of them to `attend`, which turns them again at each step: simple, if not
-# the fastest, and cached decoding needs no change. We turn only in self-attention: a
-# German and an English position are counted in two different sentences, so their
-# offset means little.
+# turns the queries and keys just before the scores. Part 5's cache keeps keys unturned,
+# and `attend` turns all of them again at each step, so cached decoding needs no change.
+# We turn only in self-attention: a German and an English position are counted in two
+# different sentences, so their offset means little.
 
 
 # %%
@@ -4168,8 +4133,7 @@ class SwiGLU(nn.Module):
 #
 # `modernise` swaps the new parts into a pre-norm model built by `make_model`: rotary
 # self-attention and SwiGLU in every layer, RMSNorm wherever LayerNorm was, and empty
-# position tables. The stacks, the residual sub-layers, the embeddings and the generator
-# stay Part 1's, and `train` takes the builder as its `build` argument.
+# position tables. `train` takes the builder as its `build` argument.
 
 
 # %%

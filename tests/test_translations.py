@@ -334,27 +334,6 @@ def test_the_contents_link_texts_are_the_headings_they_point_to():
     assert differ == []
 
 
-@pytest.mark.parametrize("path", [tr.ENGLISH, tr.CHINESE], ids=["English", "Chinese"])
-def test_part_4s_steps_are_named_as_their_sections(path):
-    """Part 4's list "from files to batches" names each section by its heading's start
-    (*Batching* for "Batching by length …"; in Chinese *分批* for "分批：…")."""
-    english = tr.load(tr.ENGLISH)
-    steps = next(i for i, _, _, b in tr.walk(english) if b.msgid == "From files to batches:")
-    nb = tr.load(path)
-    cell = tr.cell_source(nb["cells"][steps])
-    items = re.findall(r"^\d+\. (.*)$", cell, re.MULTILINE)
-    # each item starts with one name in italics, or two joined by "and" (*Vocabulary* and …)
-    names = [
-        name
-        for item in items
-        for name in re.match(r"\*([^*]+)\*(?:(?: and |和)\*([^*]+)\*)?", item).groups()
-        if name
-    ]
-    headings = [b.msgid for _, _, _, b in tr.walk(nb) if b.heading == "###"]
-    assert len(names) == 6
-    assert [n for n in names if not any(h.startswith(n) for h in headings)] == []
-
-
 @pytest.mark.skipif(
     shutil.which("msgmerge") is None, reason="needs GNU gettext: apt-get install gettext"
 )
