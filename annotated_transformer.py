@@ -2510,9 +2510,8 @@ def translate(
     results: list[list[str]] = [[] for _ in sources]
     for start in range(0, len(order), chunk_size):
         chunk = order[start : start + chunk_size]
-        src = nn.utils.rnn.pad_sequence(
-            [torch.tensor(sources[i]) for i in chunk], batch_first=True, padding_value=pad
-        ).to(device)
+        chunk_ids = [torch.tensor(sources[i]) for i in chunk]
+        src = nn.utils.rnn.pad_sequence(chunk_ids, batch_first=True, padding_value=pad).to(device)
         src_mask = (src != pad).unsqueeze(-2)
         cap = min(src.size(1) + longer_by, limit)  # the longest output, <s> included
         out = (search or greedy_decode)(model, src, src_mask, cap, ids=ids, scorer=scorer)
@@ -3017,9 +3016,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 #     .encode(x=alt.X("epoch:O", title="epoch number"), y=alt.Y("value", title="sacreBLEU score"))
 # )
 # diamonds = alt.Chart(pd.DataFrame(average_rows, columns=["epoch", "series", "value"]))
-# bleu_chart += diamonds.mark_point(shape="diamond", size=120, filled=True, color="black").encode(
-#     x="epoch:O", y="value"
-# )  # the averaged model, if any
+# diamond = {"shape": "diamond", "size": 120, "filled": True, "color": "black"}
+# bleu_chart += diamonds.mark_point(**diamond).encode(x="epoch:O", y="value")  # averaged model
 # rate_chart = (
 #     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate by optimizer step")
 #     .mark_line()
@@ -3355,14 +3353,8 @@ def beam_trace(k: int) -> list[dict]:
             fate = "goes on" if (beam, word) in live else "is dropped"
             fate = "is finished" if word == 0 and rank < k else fate
             words = [TRACE_WORDS[i] for i in ys[beam, 1:].tolist()] + [TRACE_WORDS[word]]
-            rows.append(
-                {
-                    "decoding step": t,
-                    "candidate words": " ".join(words),
-                    "total log-prob": round(score, 2),
-                    "its fate": fate,
-                }
-            )
+            row = {"decoding step": t, "candidate words": " ".join(words)}
+            rows.append(row | {"total log-prob": round(score, 2), "its fate": fate})
     return rows
 
 
@@ -3370,10 +3362,8 @@ def beam_trace(k: int) -> list[dict]:
 # trace_model = make_model(7, 7, ModelConfig(N=1, d_model=8, d_ff=8, h=2))  # only encodes
 # trace_src = torch.tensor([[1, 0]])  # any source: the script ignores it
 # trace_ids = SpecialIds(start=1, end=0, pad=2)
-# answer = beam_search(
-#     trace_model, trace_src, trace_src >= 0, 6, beam_size=2, alpha=0.6, ids=trace_ids,
-#     scorer=Scripted,
-# )
+# trace_options = dict(beam_size=2, alpha=0.6, ids=trace_ids, scorer=Scripted)
+# answer = beam_search(trace_model, trace_src, trace_src >= 0, 6, **trace_options)
 # trace = pd.DataFrame(beam_trace(k=2))
 # display(trace.set_index(["decoding step", "candidate words"]))
 # assert [TRACE_WORDS[i] for i in answer[0].tolist()] == ["<s>", "a", "dog", "</s>"]
@@ -3555,9 +3545,8 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # short_wins, long_wins = "the short sentence wins", "the long sentence wins"
 # for alpha, winner in [(filled(tie_alpha) - 0.001, short_wins), (tie_alpha + 0.001, long_wins)]:
 #     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
-#     assert (short > long) == (winner == short_wins), (
-#         f"with alpha {alpha:.3f}, your tie says {winner}, but it does not"
-#     )
+#     wrong = f"with alpha {alpha:.3f}, your tie says {winner}, but it does not"
+#     assert (short > long) == (winner == short_wins), wrong
 # print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
 
 # %% [markdown]
