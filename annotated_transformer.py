@@ -3121,7 +3121,8 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # * German words copied unchanged (often names);
 # * a plausible wrong word where the right one was too rare for the English vocabulary
 #   (the decoder may not write `<unk>`);
-# * repeated phrases.
+# * repeated phrases;
+# * a missing phrase: fluent English that leaves part of the German untranslated.
 
 # %%
 EXAMPLE_SENTENCES = (0, 1, 2, 3, 4)
@@ -3545,8 +3546,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # short_wins, long_wins = "the short sentence wins", "the long sentence wins"
 # for alpha, winner in [(filled(tie_alpha) - 0.001, short_wins), (tie_alpha + 0.001, long_wins)]:
 #     short, long = ranked_score(-3.0, 5, alpha), ranked_score(-4.0, 9, alpha)
-#     wrong = f"with alpha {alpha:.3f}, your tie says {winner}, but it does not"
-#     assert (short > long) == (winner == short_wins), wrong
+#     assert (short > long) == (winner == short_wins), (
+#         f"with alpha {alpha:.3f}, your tie says {winner}, but it does not"
+#     )
 # print(f"alpha = {tie_alpha:.3f}: below it the short sentence wins, above it the long one")
 
 # %% [markdown]
