@@ -977,8 +977,9 @@ def count_parameters(model: nn.Module) -> int:
 #   not exist yet at inference.
 #
 # A batch takes padded source ids, (B, S), and target ids, (B, T + 1), and keeps the
-# decoder's input and answer, the source and target masks, and the count of real tokens in
-# the answer, by which the loss is averaged.
+# decoder's input and answer, the source mask (padding only), the target mask (padding
+# and causal combined), and the count of real tokens in the answer, by which the loss is
+# averaged.
 
 
 # %%
@@ -1051,6 +1052,9 @@ class Batch:
 # The first sum, $q$'s negative entropy, is a constant: it leaves the gradient alone and
 # makes the loss 0 exactly when $p = q$, so even a confident one-hot prediction of the
 # right word scores above 0. Padding positions contribute nothing.
+#
+# The loss takes log-probabilities (n, V), one row per target position of a batch, and
+# the right ids (n,).
 
 
 # %%
@@ -1601,8 +1605,8 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 #
 # Each epoch draws 40 fresh batches of 64, so the model must learn the rule. Every 5
 # epochs it prints the loss on 4 unseen batches. A blind guess among the 13 ids would
-# score ln 13 ≈ 2.6; at the end of warm-up the loss is well below that, and 100 steps
-# later it has fallen by orders of magnitude.
+# score ln 13 ≈ 2.6; in the copy below, the loss is well below that at the end of
+# warm-up, and 100 steps later it has fallen by orders of magnitude.
 
 
 # %%
@@ -1632,7 +1636,7 @@ def train_copy_task(
         run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2)
         if epoch % 5 == 0:
             loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
-            print(f"epoch {epoch:2d}  steps {schedule.last_epoch:4d}  val loss {loss:.4f}")
+            print(f"epoch {epoch:2d}  optimizer step {schedule.last_epoch:4d}  val loss {loss:.4f}")
     return model
 
 
@@ -2952,10 +2956,11 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # %% [markdown]
 # A run lives in a folder under data/checkpoints, named by the settings that shape
 # training, the data, torch's version, and the code that `train` calls, followed through
-# calls. Rerun the cell and it loads the trained model in seconds. An edit on that path,
-# such as to `attention`, trains a new model beside the old one; an edit off it, such as
-# to beam search, keeps it. `retrain=True` trains afresh, moving the old run aside. With
-# the cpu preset it trains for about 18 minutes on two cores: read on meanwhile.
+# calls, which it reads from the notebook's `globals()`. Rerun the cell and it loads the
+# trained model in seconds. An edit on that path, such as to `attention`, trains a new
+# model beside the old one; an edit off it, such as to beam search, keeps it.
+# `retrain=True` trains afresh, moving the old run aside. With the cpu preset it trains
+# for about 18 minutes on two cores: read on meanwhile.
 
 # %% active="ipynb"
 # device = pick_device()
@@ -3016,8 +3021,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 #     .encode(x=alt.X("epoch:O", title="epoch number"), y=alt.Y("value", title="sacreBLEU score"))
 # )
 # diamonds = alt.Chart(pd.DataFrame(average_rows, columns=["epoch", "series", "value"]))
-# diamond = {"shape": "diamond", "size": 120, "filled": True, "color": "black"}
-# bleu_chart += diamonds.mark_point(**diamond).encode(x="epoch:O", y="value")  # averaged model
+# diamond_style = {"shape": "diamond", "size": 120, "filled": True, "color": "black"}
+# bleu_chart += diamonds.mark_point(**diamond_style).encode(x="epoch:O", y="value")
 # rate_chart = (
 #     alt.Chart(pd.DataFrame(rate_rows), title="Learning rate by optimizer step")
 #     .mark_line()
@@ -3854,10 +3859,9 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # 2. each takes every $W$-th batch of the same list, whose length is made divisible by
 #    $W$;
 # 3. `model.no_sync()` skips the all-reduce on every micro-batch but a step's last;
-# 4. DDP divides the summed gradients by $W$, so each rank divides its summed loss by
-#    $T/W$, where $T$ counts the step's target tokens on all ranks (with $W = 2$ and
-#    $T = 3{,}000$: by 1,500). The result is the gradient of the whole step's mean loss
-#    per token.
+# 4. DDP divides the summed gradients by $W$, so each rank divides its summed loss by a
+#    $W$-th of the step's target tokens on all ranks (with $W = 2$ and 3,000 tokens: by
+#    1,500). The result is the gradient of the whole step's mean loss per token.
 #
 # Why equal shares? A rank one batch short would miss an all-reduce: the rest hang or fail.
 #
@@ -4124,7 +4128,8 @@ class SwiGLU(nn.Module):
 #
 # `modernise` swaps the new parts into a pre-norm model built by `make_model`: rotary
 # self-attention and SwiGLU in every layer, RMSNorm wherever LayerNorm was, and empty
-# position tables. `train` takes the builder as its `build` argument.
+# position tables. `modern_model_for`, below, wraps it as the builder that `train` takes
+# as its `build` argument.
 
 
 # %%
