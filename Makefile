@@ -64,10 +64,13 @@ run-zh: setup
 	$(PY) tools/export_html.py build/zh/$(NOTEBOOK_ZH) build/annotated_transformer.zh-CN.html
 	@echo "中文版 (offline):  $(CURDIR)/build/annotated_transformer.zh-CN.html"
 
+# A worker per core (pytest-xdist); tests/conftest.py keeps both notebooks and the page's
+# tests on one of them, in order.
 test: setup
 	rm -rf build/smoke/data/checkpoints  # every test run trains the code it tests
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke AT_DATA_DIR=build/smoke/data $(PY) -m pytest tests $(NOTEBOOK) $(NOTEBOOK_ZH) --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=900 -q --durations=15
+		--nbval-cell-timeout=900 -q --durations=15 \
+		-n auto
 
 # The numerically sensitive tests (marked `numerics`) under other kernel sets, each of which
 # rounds differently, as another CPU would; the tests must hold under all of them:

@@ -76,6 +76,12 @@ def multi30k_env(multi30k, monkeypatch) -> Path:
     return multi30k
 
 
+# Under pytest-xdist the workers share the cores: the notebook's kernels and the processes
+# that a worker starts take its share (the tests themselves run on one thread, below).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+
 # Whatever runs the tests (make test, or pytest by hand), the notebook's kernel and the
 # tests train the smoke preset and write only under build/smoke/, never into data/.
 for name, value in {
@@ -199,6 +205,29 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """The tests of the executed page run after the notebook's cells, to reuse their run."""
     items.sort(key=lambda item: any(f.endswith("page") for f in getattr(item, "fixturenames", ())))
+
+
+# Under pytest-xdist (`make test` starts a worker per core), each test file goes to one
+# worker, except that both notebooks and test_page.py go to the same one, in that order:
+# the page reads nbval's outputs, and the Chinese notebook loads the model that the English
+# one trained. (xdist's own `--dist loadgroup` cannot say this under pytest 9.)
+TOGETHER = (
+    "annotated_transformer.ipynb",
+    "annotated_transformer.zh-CN.ipynb",
+    "tests/test_page.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "the notebooks" if file in TOGETHER else file
+
+    return ByFile(config, log)
 
 
 def tiny_data():
