@@ -323,3 +323,15 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
         again["schedule"].last_epoch == 3
         and "going on after epoch 0, step 3" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize(
+    ("gpus", "world_size", "expected"),
+    [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "cuda:1"), (4, 2, "cuda:1")],
+)
+def test_a_process_takes_a_gpu_of_its_own_or_the_cpu(monkeypatch, gpus, world_size, expected):
+    """Part 10 asks for two processes: on a machine with one GPU, rank 1 would ask for
+    cuda:1, which is not there, so both train on the CPU instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert train_ddp.device_for(1, world_size) == torch.device(expected)

@@ -28,6 +28,14 @@ from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  
 ROOTS = ("train", "DDPProcesses")
 
 
+def device_for(local_rank: int, world_size: int) -> torch.device:
+    """A GPU of its own for each process where there are enough of them, else the CPU:
+    the notebook's two processes on a machine with one GPU both train on the CPU."""
+    if torch.cuda.is_available() and world_size <= torch.cuda.device_count():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
 def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
     """One rank of a DDP job: join the group, train with the twin's loop, leave.
 
@@ -37,9 +45,8 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
 
     use_language(os.environ.get("AT_LANGUAGE", "en"))  # the notebook's, which started us
     settings = twin.Settings(**settings_fields)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = device_for(int(os.environ.get("LOCAL_RANK", rank)), world_size)
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     else:
@@ -74,7 +81,8 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
 
 
 def train_distributed(settings, data_dir: Path, world_size: int | None = None) -> Path:
-    """Train with DDP: one process per GPU, or `world_size` (default 2) CPU processes.
+    """Train with DDP in `world_size` processes: by default one per GPU, or 2 without one.
+    Each takes a GPU of its own if there are enough, else the CPU (device_for).
 
     Returns the run's folder, named by the twin's code, which is what the workers train.
     """
