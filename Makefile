@@ -64,13 +64,14 @@ run-zh: setup
 	$(PY) tools/export_html.py build/zh/$(NOTEBOOK_ZH) build/annotated_transformer.zh-CN.html
 	@echo "中文版 (offline):  $(CURDIR)/build/annotated_transformer.zh-CN.html"
 
-# A worker per core (pytest-xdist); tests/conftest.py keeps both notebooks and the page's
-# tests on one of them, in order.
+# A worker per core, up to four (pytest-xdist); tests/conftest.py keeps both notebooks and
+# the page's tests on one of them, in order. That worker sets the pace (on 2 cores it runs
+# for nearly all of `make test`), so more workers would only take memory.
 test: setup
 	rm -rf build/smoke/data/checkpoints  # every test run trains the code it tests
 	AT_PRESET=smoke AT_BUILD_DIR=build/smoke AT_DATA_DIR=build/smoke/data $(PY) -m pytest tests $(NOTEBOOK) $(NOTEBOOK_ZH) --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=900 -q --durations=15 \
-		-n auto
+		-n auto --maxprocesses=4
 
 # The numerically sensitive tests (marked `numerics`) under other kernel sets, each of which
 # rounds differently, as another CPU would; the tests must hold under all of them:

@@ -3946,8 +3946,8 @@ class DDPProcesses(Processes):
 
 # %% [markdown]
 # `train_distributed`, in tools/train_ddp.py, starts the processes, here two: each on a GPU
-# of its own if the machine has two, else both on the CPU, talking through `gloo`. Each
-# runs the notebook's `train` with its `DDPProcesses`. A new process cannot see this
+# of its own if the machine has at least two, else both on the CPU, talking through `gloo`.
+# Each runs the notebook's `train` with its `DDPProcesses`. A new process cannot see this
 # notebook, so the workers import its `.py` twin: an edit you made here reaches them only
 # after `make sync`, and the cell says so.
 

@@ -76,8 +76,9 @@ def multi30k_env(multi30k, monkeypatch) -> Path:
     return multi30k
 
 
-# Under pytest-xdist the workers share the cores: the notebook's kernels and the processes
-# that a worker starts take its share (the tests themselves run on one thread, below).
+# Under pytest-xdist the workers share the cores: the notebook kernels that a worker starts
+# take its share. The tests themselves run on one thread (below); the DDP ranks and the
+# other processes that tests start set their own.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))

@@ -28,10 +28,11 @@ from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  
 ROOTS = ("train", "DDPProcesses")
 
 
-def device_for(local_rank: int, world_size: int) -> torch.device:
-    """A GPU of its own for each process where there are enough of them, else the CPU:
-    the notebook's two processes on a machine with one GPU both train on the CPU."""
-    if torch.cuda.is_available() and world_size <= torch.cuda.device_count():
+def device_for(local_rank: int, local_world_size: int) -> torch.device:
+    """A GPU of its own for each of this machine's processes where it has enough of them,
+    else the CPU: the notebook's two processes on a machine with one GPU both train on
+    the CPU."""
+    if torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -45,12 +46,13 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
 
     use_language(os.environ.get("AT_LANGUAGE", "en"))  # the notebook's, which started us
     settings = twin.Settings(**settings_fields)
-    device = device_for(int(os.environ.get("LOCAL_RANK", rank)), world_size)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # on this machine
+    device = device_for(int(os.environ.get("LOCAL_RANK", rank)), local_world_size)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # share the cores
+    else:  # share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
         prepare_cpu_memory()  # as the notebook's own process does
     init = f"tcp://127.0.0.1:{port}" if port else "env://"
     dist.init_process_group(
