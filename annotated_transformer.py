@@ -1748,7 +1748,8 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # %% active="ipynb" tags=["check"]
 # row = copy_batch(1, 4, torch.Generator().manual_seed(0)).src[0].tolist()
 # want = [row[0], *row[-2:0:-1], row[-1]]  # <s> and </s> stay where they are
-# assert filled(reversed_words(torch.tensor([row])))[0].tolist() == want, f"should be {want}"
+# got = filled(reversed_words(torch.tensor([row])))[0].tolist()
+# assert got == want, f"{row} should become {want}, <s> and </s> in place; yours gives {got}"
 # reversing_model = train_copy_task(make_batch=reverse_batch)
 # test = reverse_batch(100, 10, torch.Generator().manual_seed(12345))
 # output = greedy_decode(reversing_model, test.src, test.src_mask, 12, ids=COPY_IDS)
@@ -2761,7 +2762,7 @@ class CachedPrefix(FullPrefix):
 # cut = [" ".join(sentence.split()[:-2]) for sentence in references]
 # score = sacrebleu.metrics.BLEU().corpus_score(cut, [references])
 # penalty = filled(brevity_penalty(score.sys_len, score.ref_len))
-# assert math.isclose(penalty, score.bp, rel_tol=1e-6), f"sacreBLEU's penalty is {score.bp:.4f}"
+# assert abs(penalty - score.bp) < 1e-6, f"yours is {penalty:.4f}; sacreBLEU's is {score.bp:.4f}"
 # assert brevity_penalty(12, 10) == 1.0, "hypotheses longer than the references get no penalty"
 # print(f"BLEU {score.score:.1f}: every n-gram is right, but the penalty is {penalty:.2f}")
 
