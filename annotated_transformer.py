@@ -1521,7 +1521,10 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 #     step, peak = filled(peak_of_rate(d_model, warmup))
 #     rates = [rate(s, d_model=d_model, warmup=warmup) for s in range(1, 3 * warmup)]
 #     top = (1 + int(np.argmax(rates)), max(rates))
-#     assert step == top[0] and math.isclose(peak, top[1], rel_tol=1e-6), f"the peak is {top}"
+#     assert step == top[0] and math.isclose(peak, top[1], rel_tol=1e-6), (
+#         f"d_model {d_model}, warmup {warmup}: yours is step {step}, rate {peak:.4g}; "
+#         f"the rate peaks at step {top[0]}, at {top[1]:.4g}"
+#     )
 # print(f"the base model's rate peaks at step 4,000: {peak_of_rate(512, 4000)[1]:.2e}")
 
 # %% [markdown]
