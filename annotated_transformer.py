@@ -3949,11 +3949,11 @@ class DDPProcesses(Processes):
 
 
 # %% [markdown]
-# `train_distributed`, in tools/train_ddp.py, starts the processes, here two: each on a GPU
-# of its own if the machine has at least two, else both on the CPU, talking through `gloo`.
-# Each runs the notebook's `train` with its `DDPProcesses`. A new process cannot see this
-# notebook, so the workers import its `.py` twin: an edit you made here reaches them only
-# after `make sync`, and the cell says so.
+# `train_distributed`, in tools/train_ddp.py, starts the processes, here two. On a machine
+# with two GPUs or more, each takes one; otherwise, one GPU included, both train on the CPU,
+# talking through `gloo`. Each runs the notebook's `train` with its `DDPProcesses`. A new
+# process cannot see this notebook, so the workers import its `.py` twin: an edit you made
+# here reaches them only after `make sync`, and the cell says so.
 
 # %% active="ipynb"
 # import importlib.util

@@ -203,20 +203,19 @@ def pytest_configure(config):
     config.pluginmanager.register(KeepNotebookOutputs(), "keep-notebook-outputs")
 
 
+PAGE_TESTS = "tests/test_page.py"  # the tests that read the executed notebook
+
+
 def pytest_collection_modifyitems(items):
     """The tests of the executed page run after the notebook's cells, to reuse their run."""
-    items.sort(key=lambda item: any(f.endswith("page") for f in getattr(item, "fixturenames", ())))
+    items.sort(key=lambda item: item.nodeid.startswith(PAGE_TESTS))
 
 
-# Under pytest-xdist (`make test` starts a worker per core), each test file goes to one
+# Under pytest-xdist (`make test` starts up to four workers), each test file goes to one
 # worker, except that both notebooks and test_page.py go to the same one, in that order:
 # the page reads nbval's outputs, and the Chinese notebook loads the model that the English
 # one trained. (xdist's own `--dist loadgroup` cannot say this under pytest 9.)
-TOGETHER = (
-    "annotated_transformer.ipynb",
-    "annotated_transformer.zh-CN.ipynb",
-    "tests/test_page.py",
-)
+TOGETHER = ("annotated_transformer.ipynb", "annotated_transformer.zh-CN.ipynb", PAGE_TESTS)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
