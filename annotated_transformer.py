@@ -2919,7 +2919,8 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 # The loop is Part 3's. Its state is its own variables: the model, the optimizer, the
 # schedule (which counts the steps) and the history. All of it goes into
 # `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on from the
-# next epoch, training an unfinished one again from its start. Each epoch seeds its own
+# next epoch, training an unfinished one again from its start. A rerun of a finished run
+# loads it and trains no epoch at all. Each epoch seeds its own
 # dropout and cuts its batches from the seed and its number, so the rerun draws the same
 # random numbers as a run never stopped.
 
@@ -2935,7 +2936,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
     kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
-    history = trainer.load_last(folder, kept, rank=rank, world_size=world_size)
+    history = trainer.load_last(folder, kept, settings.epochs, rank=rank, world_size=world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, autocast=autocast)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
@@ -2950,10 +2951,11 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
         history = [*history, record | scores(rank=rank)]
         if rank == 0:
             print(trainer.epoch_line(history[-1]))
-        trainer.save_last(folder, kept, history, rank, world_size, settings.average_last)
-    if rank == 0 and settings.average_last > 1:  # §6.1
+        trainer.keep_for_average(folder, model, epoch, settings.average_last, rank)
+        trainer.save_last(folder, kept, history, rank, world_size)
+    if rank == 0 and settings.average_last > 1 and "averaged" not in history[-1]:  # §6.1
         history = average_last_epochs(model, history, folder, settings.average_last, scores)
-    trainer.save_final(folder, model, history, rank)
+        trainer.save_last(folder, kept, history, rank, world_size)
     return model, history
 
 
@@ -2973,8 +2975,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # end = "reaches zero after the last" if settings.schedule == "linear" else "never reaches zero"
 # print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps;")
 # print(f"the rate peaks after step {settings.warmup:,} and {end}")
-# finished = trainer.load_final(folder, model_for(settings, data.vocabs).to(device))
-# model, history = finished or train(settings, data, folder, device=device)
+# model, history = train(settings, data, folder, device=device)
 # print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
 # assert len(history) == settings.epochs and history[-1]["step"] == run_steps
 # assert history[-1]["val_loss"] < history[0]["val_loss"] or len(history) == 1
@@ -3969,7 +3970,7 @@ class DDPProcesses(Processes):
 #         print(f"the workers train the twin's code, without your edits to {', '.join(edited)}")
 #     ddp_settings = dataclasses.replace(get_settings("smoke"), name="smoke-ddp")
 #     ddp_folder = train_distributed(ddp_settings, DATA_DIR, world_size=2)
-#     ddp_history = read_checkpoint(ddp_folder / "final.pt")["history"]
+#     ddp_history = read_checkpoint(ddp_folder / "last.pt")["history"]
 #     for h in ddp_history:
 #         print(f"2 ranks, epoch {h['epoch']}: train loss {h['train_loss']:.3f}, ", end="")
 #         print(f"val loss {h['val_loss']:.3f}")

@@ -411,7 +411,11 @@ def differences(mine: dict, theirs: dict) -> str:
 
 
 def what_changed(folder: Path) -> str:
-    """How this run differs from the newest other run of its preset, in a few words."""
+    """How this run differs from the newest other run of its preset, in a few words ("" if
+    there is none, or if `folder` was not named by run_folder and has no manifest)."""
+    folder = Path(folder)
+    if not (folder / "manifest.json").is_file():
+        return ""
     mine = json.loads((folder / "manifest.json").read_text())
     others = [
         m for m in folder.parent.glob(f"{mine['preset']}-*/manifest.json") if m.parent != folder

@@ -3,8 +3,8 @@
 `train`, in Part 6 of the notebook, holds the run's state as its own variables: the model,
 the optimizer, the schedule (which counts the steps) and the history. At each epoch's end it hands
 them to `save_last`, and a rerun gets them back from `load_last`, the function beside it;
-the two are the checkpoint's format. Then come the final model (`save_final`, `load_final`),
-the weights kept for averaging, and the run's record (`run_record`).
+the two are the checkpoint's format, and a finished run is simply one whose last.pt holds
+every epoch. Then come the weights kept for averaging, and the run's record (`run_record`).
 
 A run's folder (`run_folder`, named by what training reaches) comes from plumbing.py, like
 the files. This module imports plumbing and nothing else of the project:
@@ -67,13 +67,11 @@ def made_of(folder: Path) -> dict:
     return {k: v for k, v in manifest.items() if k != "python"}
 
 
-def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1,
-              average_last=1) -> None:  # fmt: skip
-    """Write last.pt after a finished epoch: the loop's `kept` objects (model, optimizer,
-    schedule), its history, how many processes trained, and what the run is made of; and,
-    if the run averages, the epoch's weights. Every rank calls it; rank 0 writes."""
+def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1) -> None:
+    """Write last.pt after a finished epoch (or the averaging): the loop's `kept` objects
+    (model, optimizer, schedule), its history, how many processes trained, and what the
+    run is made of. Every rank calls it; rank 0 writes."""
     if rank == 0:
-        keep_for_average(folder, kept["model"], history[-1]["epoch"], average_last)
         save_checkpoint(
             Path(folder) / "last.pt", model=kept["model"].state_dict(),
             optimizer=kept["optimizer"].state_dict(), schedule=kept["schedule"].state_dict(),
@@ -81,24 +79,27 @@ def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=
         )  # fmt: skip
 
 
-def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict]:
+def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) -> list[dict]:
     """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
-    history so far ([] if no epoch has finished)."""
+    history so far ([] if no epoch has finished, all `epochs` records if the run has)."""
     path = Path(folder) / "last.pt"
     checkpoint = read_checkpoint(path) if path.is_file() else None
-    epochs = gather_from_ranks(len(checkpoint["history"]) if checkpoint else None)
-    if len(set(epochs)) > 1:  # a rank on a machine of its own would start afresh and hang
+    done = gather_from_ranks(len(checkpoint["history"]) if checkpoint else None)
+    if len(set(done)) > 1:  # a rank on a machine of its own would start afresh and hang
         raise CheckpointError(
             say(
                 "the ranks see different checkpoints in {folder} (finished epochs by rank, None "
                 "for none: {epochs}): put data/ on a filesystem that every machine shares",
                 folder=folder,
-                epochs=epochs,
+                epochs=done,
             )
         )
     if checkpoint is None:
+        if rank == 0:
+            print(starting_line(folder))
         return []
-    if checkpoint["processes"] != world_size:
+    finished = len(checkpoint["history"]) >= epochs  # loads on any number of processes
+    if checkpoint["processes"] != world_size and not finished:
         raise CheckpointError(
             say(
                 "{path} was written by a run on {n} process(es), not {world_size}: resume with "
@@ -113,9 +114,20 @@ def load_last(folder: Path, kept: dict, *, rank=0, world_size=1) -> list[dict]:
     kept["optimizer"].load_state_dict(checkpoint["optimizer"])
     kept["schedule"].load_state_dict(checkpoint["schedule"])
     epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
-    if rank == 0:  # once, not once per process
+    if rank == 0 and finished:  # once, not once per process
+        print(say("loaded {path}", path=path))
+    elif rank == 0:
         print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
     return checkpoint["history"]
+
+
+def starting_line(folder: Path) -> str:
+    """What a run that starts from nothing prints: its folder, and what changed since the
+    run trained before with the same name, if one did."""
+    if changed := what_changed(folder):
+        return say("trained before with {changed}; training anew into {folder}",
+                   changed=changed, folder=folder)  # fmt: skip
+    return say("training into {folder}", folder=folder)
 
 
 def check_made_of(checkpoint: dict, folder: Path, path: Path) -> None:
@@ -158,39 +170,14 @@ def load_weights(model: nn.Module, weights: dict, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# The final model, and the weights kept to average
+# The weights kept to average
 
 
-def save_final(folder: Path, model: nn.Module, history: list[dict], rank: int = 0) -> None:
-    """Write final.pt: the trained model and the run's history (rank 0 only)."""
-    if rank == 0:
-        content = {"model": model.state_dict(), "history": history, "made_of": made_of(folder)}
-        save_checkpoint(Path(folder) / "final.pt", **content)
-
-
-def load_final(folder: Path, model: nn.Module) -> tuple[nn.Module, list] | None:
-    """The finished model of the run in `folder`, loaded into `model`, or None."""
-    final = Path(folder) / "final.pt"
-    if not final.is_file():
-        if (Path(folder) / "last.pt").is_file():
-            print(say("going on from {path}", path=Path(folder) / "last.pt"))
-        elif changed := what_changed(folder):
-            print(say("trained before with {changed}; training anew into {folder}",
-                      changed=changed, folder=folder))  # fmt: skip
-        else:
-            print(say("training into {folder}", folder=folder))
-        return None
-    checkpoint = read_checkpoint(final)
-    check_made_of(checkpoint, folder, final)
-    load_weights(model, checkpoint["model"], final)
-    print(say("loaded {path}", path=final))
-    return model, checkpoint["history"]
-
-
-def keep_for_average(folder: Path, model: nn.Module, epoch: int, average_last: int) -> None:
+def keep_for_average(folder: Path, model: nn.Module, epoch: int, average_last: int,
+                     rank: int = 0) -> None:  # fmt: skip
     """Keep the last `average_last` epochs' weights (a rolling set of files); none if the
-    run does not average (average_last 1)."""
-    if average_last < 2:
+    run does not average (average_last 1). Rank 0 writes."""
+    if average_last < 2 or rank != 0:
         return
     save_checkpoint(Path(folder) / f"epoch-{epoch}.pt", model=model.state_dict())
     (Path(folder) / f"epoch-{epoch - average_last}.pt").unlink(missing_ok=True)

@@ -270,12 +270,10 @@ def train_as_the_notebook(settings, data, data_dir, namespace=None, *, device=CP
     """What the notebook's training cell does, with the functions of `namespace` (the
     imported twin by default): (model, history, folder), loaded if it finished before."""
     import annotated_transformer
-    import trainer
 
     names = vars(annotated_transformer) if namespace is None else namespace
     folder = plumbing.run_folder(settings, data, names, data_dir)
-    finished = trainer.load_final(folder, names["model_for"](settings, data.vocabs).to(device))
-    model, history = finished or names["train"](settings, data, folder, device=device)
+    model, history = names["train"](settings, data, folder, device=device)
     return model, history, folder
 
 

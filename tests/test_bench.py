@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory, multi30k):
-    """A data folder whose final checkpoint is an untrained smoke model, so decoding runs."""
+    """A data folder whose finished run is an untrained smoke model, so decoding runs."""
     folder = tmp_path_factory.mktemp("bench") / "data"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MULTI30K_DIR", str(multi30k))
@@ -36,7 +36,9 @@ def data_dir(tmp_path_factory, multi30k):
     run_folder = plumbing.run_folder(SMOKE, data, vars(at), folder)
     at.set_seed(0)
     model = at.model_for(SMOKE, data.vocabs)
-    trainer.save_final(run_folder, model, history=[])
+    optimizer, schedule = at.make_optimizer(model, SMOKE, total_steps=100)
+    kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
+    trainer.save_last(run_folder, kept, history=[{"epoch": e} for e in range(SMOKE.epochs)])
     return folder
 
 

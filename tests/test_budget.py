@@ -173,8 +173,11 @@ def test_the_final_model_is_the_average_of_the_last_epochs(quick_data, tmp_path)
     assert not torch.equal(saved[0]["generator.proj.weight"], saved[1]["generator.proj.weight"])
     for name, value in model.state_dict().items():
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
-    final = read_checkpoint(folder / "final.pt")["model"]
-    assert_same_weights(final, model)
+    last = read_checkpoint(folder / "last.pt")  # the averaged weights, beside their record
+    assert_same_weights(last["model"], model) and last["history"][-1]["averaged"]["epochs"] == [
+        1,
+        2,
+    ]
     # each recorded validation score is that of the weights it names: scored again here,
     # on the same path and machine, they come out to the last bit
     en = quick_data.vocabs["en"]

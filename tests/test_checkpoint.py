@@ -74,11 +74,10 @@ def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
     assert (
         len(last["history"]) == 1 and last["schedule"]["last_epoch"] == last["history"][0]["step"]
     )
-    assert not (folder / "final.pt").exists()
     capsys.readouterr()
     resumed, history, _ = train_as_the_notebook(TWO_EPOCHS, quick_data, tmp_path / "b")
     out = capsys.readouterr().out
-    assert f"going on from {folder / 'last.pt'}" in out and "going on after epoch 0" in out
+    assert "going on after epoch 0, step" in out and "training" not in out
     assert [h["epoch"] for h in history] == [0, 1]
     assert_same_weights(straight, resumed)
     assert losses(history) == losses(straight_history)  # the same seed: the same curve
@@ -110,29 +109,26 @@ def loop_objects(settings, vocabs) -> dict:
     return {"model": model, "optimizer": optimizer, "schedule": schedule}
 
 
-def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path):
+def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path, capsys):
+    """A run whose last.pt holds all its epochs loads, on any number of processes: its
+    weights, optimizer and schedule come back, and it says so in one line."""
     vocabs = tiny_data().vocabs
-    model = at.model_for(TINY, vocabs)
-    history = [{"epoch": 0, "train_loss": 3.5, "val_loss": 3.25}]
-    trainer.save_final(tmp_path, model, history)
-    fresh = at.model_for(dataclasses.replace(TINY, seed=1), vocabs)
-    with pytest.raises(AssertionError):
-        assert_same_weights(model, fresh)  # so that loading has something to do
-    loaded, loaded_history = trainer.load_final(tmp_path, fresh)
-    assert_same_weights(model, loaded)
-    assert loaded_history == history
-
     kept = loop_objects(TINY, vocabs)
-    trainer.save_last(tmp_path, kept, history)
-    kept["schedule"].last_epoch = 7  # to be overwritten
-    assert trainer.load_last(tmp_path, kept) == history and kept["schedule"].last_epoch == 0
-    for name in ("final.pt", "last.pt"):
-        good = (tmp_path / name).read_bytes()
-        (tmp_path / name).write_bytes(good[: len(good) // 2])
-    with pytest.raises(CheckpointError, match="final.pt is damaged or truncated"):
-        trainer.load_final(tmp_path, fresh)
+    history = [{"epoch": 0, "train_loss": 3.5, "val_loss": 3.25}]
+    trainer.save_last(tmp_path, kept, history, world_size=2)
+    fresh = loop_objects(dataclasses.replace(TINY, seed=1), vocabs)
+    with pytest.raises(AssertionError):
+        assert_same_weights(kept["model"], fresh["model"])  # so that loading has work to do
+    fresh["schedule"].last_epoch = 7  # to be overwritten
+    assert trainer.load_last(tmp_path, fresh, 1) == history and fresh["schedule"].last_epoch == 0
+    assert_same_weights(kept["model"], fresh["model"])
+    assert capsys.readouterr().out == f"loaded {tmp_path / 'last.pt'}\n"
+    with pytest.raises(CheckpointError, match="by a run on 2 process"):
+        trainer.load_last(tmp_path, fresh, 2)  # unfinished: it goes on only on 2 processes
+    good = (tmp_path / "last.pt").read_bytes()
+    (tmp_path / "last.pt").write_bytes(good[: len(good) // 2])
     with pytest.raises(CheckpointError, match="last.pt is damaged or truncated"):
-        trainer.load_last(tmp_path, kept)  # what a run started again reads
+        trainer.load_last(tmp_path, kept, 1)  # what a run started again reads
 
 
 class Trap:
@@ -147,12 +143,9 @@ class Trap:
 
 def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path):
     marker = tmp_path / "ran"
-    for name in ("final.pt", "last.pt"):
-        torch.save({"model": {}, "trap": Trap(marker)}, tmp_path / name)
+    torch.save({"model": {}, "trap": Trap(marker)}, tmp_path / "last.pt")
     with pytest.raises(CheckpointError, match="damaged or truncated"):
-        trainer.load_final(tmp_path, torch.nn.Linear(2, 2))
-    with pytest.raises(CheckpointError, match="damaged or truncated"):
-        trainer.load_last(tmp_path, {})
+        trainer.load_last(tmp_path, {}, 1)
     assert not marker.exists(), "loading a checkpoint ran code"
     torch.load(tmp_path / "last.pt", weights_only=False)  # the trap is real: unpickling runs it
     assert marker.read_text() == "code ran"
@@ -168,21 +161,17 @@ def test_a_checkpoint_copied_from_a_run_on_other_vocabularies_stops_in_one_line(
     mine = plumbing.run_folder(TINY, data, vars(at), tmp_path)
     theirs = plumbing.run_folder(TINY, others, vars(at), tmp_path)
     assert mine != theirs
-    model, kept = at.model_for(TINY, others.vocabs), loop_objects(TINY, others.vocabs)
-    trainer.save_final(theirs, model, [{"epoch": 0}])
-    trainer.save_last(theirs, kept, [{"epoch": 0}])
-    for name in ("final.pt", "last.pt"):
-        shutil.copy(theirs / name, mine / name)  # by hand
+    trainer.save_last(theirs, loop_objects(TINY, others.vocabs), [{"epoch": 0}])
+    shutil.copy(theirs / "last.pt", mine / "last.pt")  # by hand
     before = {p.name: p.read_bytes() for p in mine.iterdir()}
     with pytest.raises(CheckpointError) as refused:
-        trainer.load_final(mine, at.model_for(TINY, data.vocabs))
+        trainer.load_last(mine, loop_objects(TINY, data.vocabs), 1)
     message = str(refused.value)
-    assert "\n" not in message and str(mine / "final.pt") in message
+    assert "\n" not in message and message.startswith(str(mine / "last.pt"))
     assert "was trained with other vocabularies" in message and "retrain=True" in message
-    with pytest.raises(CheckpointError, match="last.pt was trained with other vocabularies"):
-        trainer.load_last(mine, loop_objects(TINY, data.vocabs))
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before  # nothing lost
-    assert trainer.load_final(theirs, model)[1] == [{"epoch": 0}]  # where it belongs: loads
+    loaded = trainer.load_last(theirs, loop_objects(TINY, others.vocabs), 1)
+    assert loaded == [{"epoch": 0}]  # where it belongs: loads
 
 
 # --- killed for real: SIGKILL, no cleanup, no finally blocks ------------------------------
@@ -194,7 +183,6 @@ import torch
 torch.set_num_threads(1)
 import annotated_transformer as at
 import plumbing
-import trainer
 from stopping_jobs import stop_after_step
 
 data_dir, out, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -204,8 +192,7 @@ if kill_at:
 data = at.prepare_data(settings, data_dir)
 # the notebook's training cell
 folder = plumbing.run_folder(settings, data, vars(at), data_dir)
-finished = trainer.load_final(folder, at.model_for(settings, data.vocabs))
-model, history = finished or at.train(settings, data, folder, device=torch.device("cpu"))
+model, history = at.train(settings, data, folder, device=torch.device("cpu"))
 torch.save({"model": model.state_dict(), "history": history}, out)
 """
 # three epochs of linear decay, clipping and averaging of the last two

@@ -111,7 +111,7 @@ def test_two_ranks_equal_one_process_on_the_union(tmp_path, monkeypatch, multi30
     assert sum(a != b for a, b in zip(*counts, strict=True)) >= len(counts[0]) // 2
     args = (2, dataclasses.asdict(settings), str(tmp_path), free_port())
     torch.multiprocessing.spawn(sgd_rank, args=args, nprocs=2, join=True)
-    final = read_checkpoint(only_folder(tmp_path, settings) / "final.pt")
+    final = read_checkpoint(only_folder(tmp_path, settings) / "last.pt")
     assert len(final["history"]) == settings.epochs
     reference = reference_training(settings, data, world_size=2).state_dict()
     at.set_seed(settings.seed)
@@ -193,7 +193,7 @@ def test_ddp_stopped_mid_epoch_goes_on_to_equal_an_uninterrupted_run(
     stopping_jobs.spawn(fields, tmp_path / "stopped", fail_at=0)
     a, b = (
         read_checkpoint(
-            plumbing.run_folder(settings, data, vars(at), tmp_path / run, roots=DDP) / "final.pt"
+            plumbing.run_folder(settings, data, vars(at), tmp_path / run, roots=DDP) / "last.pt"
         )
         for run in ("straight", "stopped")
     )
@@ -237,7 +237,7 @@ def run_job(code: str, timeout: float, **env) -> subprocess.CompletedProcess:
 def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, multi30k_env):
     """train_ddp.train_distributed, with rank 1 raising after step 3 while rank 0 trains on
     (stopping_jobs' stand-in for its worker): the job ends, well before the timeout, with
-    rank 1's message, and leaves no final model."""
+    rank 1's message, and leaves no finished run."""
     code = (
         "import annotated_transformer as at, stopping_jobs\n"
         "from tools import train_ddp\n"
@@ -248,7 +248,8 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_message(tmp_path, multi30k
     result = run_job(code, timeout=120)
     assert result.returncode != 0
     assert "rank 1 stopped on purpose at step 3" in result.stderr
-    assert not list(tmp_path.glob("checkpoints/*/final.pt"))
+    lasts = [read_checkpoint(p) for p in tmp_path.glob("checkpoints/*/last.pt")]
+    assert all(len(last["history"]) < TINY.epochs for last in lasts)
 
 
 @pytest.mark.slow
@@ -296,7 +297,7 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
     )
     assert result.returncode == 0, result.stderr[-2000:]
     final = read_checkpoint(
-        plumbing.run_folder(smoke, data, vars(at), tmp_path, roots=DDP) / "final.pt"
+        plumbing.run_folder(smoke, data, vars(at), tmp_path, roots=DDP) / "last.pt"
     )
     assert len(final["history"]) == smoke.epochs
 
@@ -304,7 +305,7 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     """A last.pt says how many processes trained it: on another number, the ranks would
     share out other batches, and no uninterrupted run would match; so it stops in one line."""
-    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=1)
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=2)
 
     def kept() -> dict:
         model = at.model_for(settings, tiny_data().vocabs)
@@ -315,10 +316,10 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     written["schedule"].last_epoch = 3
     trainer.save_last(tmp_path, written, [{"epoch": 0}])
     with pytest.raises(CheckpointError, match=r"on 1 process\(es\), not 2: resume with as many"):
-        trainer.load_last(tmp_path, kept(), world_size=2)
+        trainer.load_last(tmp_path, kept(), settings.epochs, world_size=2)
     capsys.readouterr()
     again = kept()
-    assert trainer.load_last(tmp_path, again, world_size=1) == [{"epoch": 0}]  # as many
+    assert trainer.load_last(tmp_path, again, settings.epochs) == [{"epoch": 0}]  # as many
     assert (
         again["schedule"].last_epoch == 3
         and "going on after epoch 0, step 3" in capsys.readouterr().out

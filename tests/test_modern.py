@@ -5,12 +5,11 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import quick_settings
+from conftest import assert_same_weights, quick_settings
 from torch import nn
 
 import annotated_transformer as at
 import plumbing
-import trainer
 from plumbing import code_reached
 
 
@@ -149,6 +148,8 @@ def test_train_trains_the_model_its_build_makes(tmp_path, quick_data):
         settings, quick_data, folder, device=torch.device("cpu"), build=at.modern_model_for
     )
     assert isinstance(model.encoder.layers[0].feed_forward, at.SwiGLU) and len(history) == 1
-    reloaded = trainer.load_final(folder, at.modern_model_for(settings, quick_data.vocabs))
-    assert reloaded is not None and isinstance(reloaded[0].encoder.layers[0].self_attn,
-                                                 at.RotaryAttention)  # fmt: skip
+    reloaded, again = at.train(
+        settings, quick_data, folder, device=torch.device("cpu"), build=at.modern_model_for
+    )
+    assert again == history and isinstance(reloaded.encoder.layers[0].self_attn, at.RotaryAttention)
+    assert_same_weights(reloaded, model)  # loaded, not trained again

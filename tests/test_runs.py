@@ -84,7 +84,7 @@ def test_an_edit_says_what_changed_and_trains_beside_the_old_run(
     _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path, namespace)
     out = capsys.readouterr().out
     assert f"trained before with other code for: attention; training anew into {folder}" in out
-    assert len(list((tmp_path / "checkpoints").glob("*/final.pt"))) == 2  # the old one kept
+    assert len(list((tmp_path / "checkpoints").glob("*/last.pt"))) == 2  # the old one kept
 
 
 DDP = ("train", "DDPProcesses")  # what DDP's workers train with (tools/train_ddp.py)
@@ -221,9 +221,9 @@ def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
 def test_retrain_moves_the_old_run_aside_and_trains_afresh(quick_data, tmp_path, capsys):
     _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     again = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path, retrain=True)
-    assert again == folder and not (folder / "final.pt").exists()
+    assert again == folder and not (folder / "last.pt").exists()
     (kept,) = (tmp_path / "checkpoints" / "replaced").iterdir()
-    assert (kept / "final.pt").is_file() and "moved the earlier run to" in capsys.readouterr().out
+    assert (kept / "last.pt").is_file() and "moved the earlier run to" in capsys.readouterr().out
 
 
 def test_data_that_changed_names_a_new_folder(quick_data, tmp_path):
@@ -274,20 +274,20 @@ def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
     assert "training into" in capsys.readouterr().out
     again, again_history, again_folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     out = capsys.readouterr().out
-    assert f"loaded {folder / 'final.pt'}" in out and "training" not in out
+    assert out == f"loaded {folder / 'last.pt'}\n"  # nothing trained, nothing scored
     assert again_folder == folder and same_weights(again, first) and again_history == history
 
     changed = dataclasses.replace(SETTINGS, dropout=0.2, lr_factor=2.0)
     second, _, second_folder = train_as_the_notebook(changed, quick_data, tmp_path)
     out = capsys.readouterr().out
     assert "other settings for: dropout, lr_factor; training anew" in out
-    assert second_folder != folder and (folder / "final.pt").is_file()
+    assert second_folder != folder and (folder / "last.pt").is_file()
     assert not same_weights(first, second)
 
 
 def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
     with pytest.raises(CheckpointError) as error:
-        read_checkpoint(tmp_path / "final.pt")
+        read_checkpoint(tmp_path / "last.pt")
     assert "is missing" in str(error.value) and "damaged" not in str(error.value)
 
 
@@ -298,7 +298,7 @@ def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp
     for m, h in ((model, history), (loaded, loaded_history)):
         record = trainer.run_record(m, h, SETTINGS, folder, {"test_bleu": 1.0}, CPU)
         assert record["settings"] == dataclasses.asdict(SETTINGS)
-        assert record["history"] == read_checkpoint(folder / "final.pt")["history"]
+        assert record["history"] == read_checkpoint(folder / "last.pt")["history"]
         assert record["epochs"] == SETTINGS.epochs and record["test_bleu"] == 1.0
         assert record["run_folder"] == str(folder) and record["steps"] == h[-1]["step"] > 0
         assert record["parameters"] == at.count_parameters(m)
@@ -390,7 +390,7 @@ def test_the_code_reads_the_same_on_python_3_11_3_12_and_3_13(tmp_path):
 
 @pytest.mark.parametrize("other", ["wider", "missing keys"])
 def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, tmp_path, other):
-    """A final.pt of another model size (or with keys missing), copied into a run's
+    """A last.pt of another model size (or with keys missing), copied into a run's
     folder, stops with one line naming the file and what to do; the file stays."""
     folder = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     wider = dataclasses.replace(SETTINGS, d_model=2 * SETTINGS.d_model)
@@ -398,14 +398,16 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, 
     if other == "missing keys":
         weights = {k: v for k, v in weights.items() if "generator" not in k}
     made_of = trainer.made_of(folder)  # the file says it belongs here: only its shapes differ
-    plumbing.save_checkpoint(folder / "final.pt", model=weights, history=[], made_of=made_of)
-    before = (folder / "final.pt").read_bytes()
+    plumbing.save_checkpoint(
+        folder / "last.pt", model=weights, history=[{"epoch": 0}], processes=1, made_of=made_of
+    )
+    before = (folder / "last.pt").read_bytes()
     with pytest.raises(CheckpointError) as error:
-        trainer.load_final(folder, at.model_for(SETTINGS, quick_data.vocabs))
+        trainer.load_last(folder, {"model": at.model_for(SETTINGS, quick_data.vocabs)}, 1)
     message = str(error.value)
-    assert "\n" not in message and message.startswith(f"{folder / 'final.pt'} does not fit")
+    assert "\n" not in message and message.startswith(f"{folder / 'last.pt'} does not fit")
     assert "retrain=True" in message
-    assert (folder / "final.pt").read_bytes() == before
+    assert (folder / "last.pt").read_bytes() == before
 
 
 def test_the_chinese_notebooks_code_names_the_english_runs_folder(

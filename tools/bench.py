@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import plumbing  # noqa: E402
 import trainer  # noqa: E402
-from plumbing import peak_memory_gb, prepare_cpu_memory  # noqa: E402
+from plumbing import peak_memory_gb, prepare_cpu_memory, read_checkpoint  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,15 +587,17 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     """Greedy and beam decoding of the test split as `make run` decodes it (its own
     at.evaluate_test, which also scores BLEU), and cached against plain recomputation
     with the same keywords: the preset's beam size and length penalty. The model is the
-    final checkpoint in the run's folder under data_dir, as `make run` left it."""
+    finished run in its folder under data_dir, as `make run` left it."""
     folder = plumbing.run_folder(settings, data, vars(at), data_dir)
-    loaded = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
-    if loaded is None:
+    last = folder / "last.pt"
+    checkpoint = read_checkpoint(last) if last.is_file() else None
+    if checkpoint is None or len(checkpoint["history"]) < settings.epochs:
         return {
             "skipped": f"no trained model in {folder}: "
             f"run `AT_PRESET={settings.name} make run` first"
         }
-    model = loaded[0].eval()
+    model = at.model_for(settings, data.vocabs).to(device).eval()
+    model.load_state_dict(checkpoint["model"])
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty

@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import plumbing  # noqa: E402
-import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
 from tools.tune import append_record  # noqa: E402
 
@@ -88,8 +87,7 @@ def main() -> None:
     folder = plumbing.run_folder(
         settings, data, vars(at), at.DATA_DIR / "blocks", roots=BUILDERS[args.block]
     )
-    finished = trainer.load_final(folder, build(settings, data.vocabs).to(device))
-    model, history = finished or at.train(settings, data, folder, device=device, build=build)
+    model, history = at.train(settings, data, folder, device=device, build=build)
     model.eval()
     test = at.evaluate_test(model, data, settings)
     record = {

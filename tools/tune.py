@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import plumbing  # noqa: E402
-import trainer  # noqa: E402
 from plumbing import prepare_cpu_memory  # noqa: E402
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -82,8 +81,7 @@ def main() -> None:
     device = at.pick_device()
     folder = plumbing.run_folder(settings, data, vars(at), at.DATA_DIR / "tune")
     start = time.perf_counter()
-    finished = trainer.load_final(folder, at.model_for(settings, data.vocabs).to(device))
-    model, history = finished or at.train(settings, data, folder, device=device)
+    model, history = at.train(settings, data, folder, device=device)  # or loads it
     minutes = (time.perf_counter() - start) / 60
     model.eval()
     search = at.beam_searcher(settings.beam_size, settings.length_penalty)
