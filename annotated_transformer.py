@@ -2920,7 +2920,9 @@ def average_last_epochs(model, history: list[dict], folder: Path, last: int, sco
 # schedule (which counts the steps) and the history. All of it goes into
 # `last.pt` at each epoch's end; a rerun of a stopped run loads it and goes on from the
 # next epoch, training an unfinished one again from its start. A rerun of a finished run
-# loads it and trains no epoch at all. Each epoch seeds its own
+# loads it and trains no epoch at all. A run that averages its last epochs (§6.1) keeps
+# their weights in files of their own, and puts the average into `last.pt` at the end.
+# Each epoch seeds its own
 # dropout and cuts its batches from the seed and its number, so the rerun draws the same
 # random numbers as a run never stopped.
 

@@ -68,9 +68,9 @@ def made_of(folder: Path) -> dict:
 
 
 def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1) -> None:
-    """Write last.pt after a finished epoch (or the averaging): the loop's `kept` objects
-    (model, optimizer, schedule), its history, how many processes trained, and what the
-    run is made of. Every rank calls it; rank 0 writes."""
+    """Write last.pt: the loop's `kept` objects (model, optimizer, schedule), its history,
+    how many processes trained, and what the run is made of. Every rank calls it after each
+    epoch, rank 0 alone after the averaging; rank 0 writes."""
     if rank == 0:
         save_checkpoint(
             Path(folder) / "last.pt", model=kept["model"].state_dict(),
@@ -84,7 +84,7 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
     history so far ([] if no epoch has finished, all `epochs` records if the run has)."""
     path = Path(folder) / "last.pt"
     checkpoint = read_checkpoint(path) if path.is_file() else None
-    done = gather_from_ranks(len(checkpoint["history"]) if checkpoint else None)
+    done = gather_from_ranks(len(checkpoint.get("history", [])) if checkpoint else None)
     if len(set(done)) > 1:  # a rank on a machine of its own would start afresh and hang
         raise CheckpointError(
             say(
@@ -98,6 +98,7 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
         if rank == 0:
             print(starting_line(folder))
         return []
+    check_made_of(checkpoint, folder, path)
     finished = len(checkpoint["history"]) >= epochs  # loads on any number of processes
     if checkpoint["processes"] != world_size and not finished:
         raise CheckpointError(
@@ -109,7 +110,6 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
                 world_size=world_size,
             )
         )
-    check_made_of(checkpoint, folder, path)
     load_weights(kept["model"], checkpoint["model"], path)
     kept["optimizer"].load_state_dict(checkpoint["optimizer"])
     kept["schedule"].load_state_dict(checkpoint["schedule"])
@@ -131,9 +131,9 @@ def starting_line(folder: Path) -> str:
 
 
 def check_made_of(checkpoint: dict, folder: Path, path: Path) -> None:
-    """Stop in one line if a checkpoint was trained on other data, settings or code than
-    its folder names (a file copied by hand from another run)."""
-    if "made_of" not in checkpoint:
+    """Stop in one line if a checkpoint is not save_last's (a key is missing), or was trained
+    on other data, settings or code than its folder names (a file copied by hand)."""
+    if not {"model", "optimizer", "schedule", "history", "processes", "made_of"} <= set(checkpoint):
         raise CheckpointError(
             say(
                 "{path} does not say what it was trained on (an older or hand-made file): move "

@@ -1,6 +1,8 @@
 """A short run: the linear schedule, clipping, precision and averaging."""
 
+import contextlib
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -164,6 +166,24 @@ def test_averaged_weights_are_the_elementwise_mean_of_the_last_epochs(tmp_path):
     assert history == [{"epoch": e} for e in range(3)]  # a new history; the old one unedited
 
 
+@contextlib.contextmanager
+def counted(module, name: str):
+    """Record each call of module.name (its arguments) while inside; functools.wraps keeps
+    its code, and so the run's folder, as it was."""
+    original, calls = getattr(module, name), []
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    setattr(module, name, recorded)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
+
+
 @pytest.mark.slow
 def test_the_final_model_is_the_average_of_the_last_epochs(quick_data, tmp_path):
     settings = dataclasses.replace(quick_settings(), epochs=3, average_last=2)
@@ -174,10 +194,8 @@ def test_the_final_model_is_the_average_of_the_last_epochs(quick_data, tmp_path)
     for name, value in model.state_dict().items():
         assert torch.allclose(value, (saved[0][name] + saved[1][name]) / 2, atol=1e-6), name
     last = read_checkpoint(folder / "last.pt")  # the averaged weights, beside their record
-    assert_same_weights(last["model"], model) and last["history"][-1]["averaged"]["epochs"] == [
-        1,
-        2,
-    ]
+    assert_same_weights(last["model"], model)
+    assert last["history"] == history and history[-1]["averaged"]["epochs"] == [1, 2]
     # each recorded validation score is that of the weights it names: scored again here,
     # on the same path and machine, they come out to the last bit
     en = quick_data.vocabs["en"]
@@ -190,3 +208,8 @@ def test_the_final_model_is_the_average_of_the_last_epochs(quick_data, tmp_path)
     model.load_state_dict(saved[1])
     assert history[-1]["val_loss"] == at.evaluate(val, model, criterion)
     assert history[-1]["val_loss"] != averaged["val_loss"]
+    # run again, the finished run loads last.pt's averaged weights and averages no more
+    with counted(trainer, "average_of") as calls:
+        again, again_history, _ = train_as_the_notebook(settings, quick_data, tmp_path)
+    assert calls == [] and again_history == history
+    assert_same_weights(again, last["model"])

@@ -152,4 +152,6 @@ def test_train_trains_the_model_its_build_makes(tmp_path, quick_data):
         settings, quick_data, folder, device=torch.device("cpu"), build=at.modern_model_for
     )
     assert again == history and isinstance(reloaded.encoder.layers[0].self_attn, at.RotaryAttention)
-    assert_same_weights(reloaded, model)  # loaded, not trained again
+    assert_same_weights(reloaded, model)
+    assert (folder / "last.pt").is_file()
+    # (`again == history` holds each epoch's seconds too: loaded, not trained again)

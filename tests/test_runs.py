@@ -274,7 +274,7 @@ def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
     assert "training into" in capsys.readouterr().out
     again, again_history, again_folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     out = capsys.readouterr().out
-    assert out == f"loaded {folder / 'last.pt'}\n"  # nothing trained, nothing scored
+    assert out == f"loaded {folder / 'last.pt'}\n"  # no epoch line: nothing trained
     assert again_folder == folder and same_weights(again, first) and again_history == history
 
     changed = dataclasses.replace(SETTINGS, dropout=0.2, lr_factor=2.0)
@@ -398,9 +398,8 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, 
     if other == "missing keys":
         weights = {k: v for k, v in weights.items() if "generator" not in k}
     made_of = trainer.made_of(folder)  # the file says it belongs here: only its shapes differ
-    plumbing.save_checkpoint(
-        folder / "last.pt", model=weights, history=[{"epoch": 0}], processes=1, made_of=made_of
-    )
+    kept = {"optimizer": {}, "schedule": {}, "history": [{"epoch": 0}], "processes": 1}
+    plumbing.save_checkpoint(folder / "last.pt", model=weights, made_of=made_of, **kept)
     before = (folder / "last.pt").read_bytes()
     with pytest.raises(CheckpointError) as error:
         trainer.load_last(folder, {"model": at.model_for(SETTINGS, quick_data.vocabs)}, 1)

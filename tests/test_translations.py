@@ -418,9 +418,9 @@ def test_the_modules_speak_the_notebooks_language():
     assert 'plumbing.use_language("zh_CN")' in chinese
     try:
         plumbing.use_language("zh_CN")
-        assert plumbing.say("loaded {path}", path="x/final.pt") == "已加载 x/final.pt"
+        assert plumbing.say("loaded {path}", path="x/last.pt") == "已加载 x/last.pt"
         plumbing.use_language("de")  # no catalogue: English
-        assert plumbing.say("loaded {path}", path="x/final.pt") == "loaded x/final.pt"
+        assert plumbing.say("loaded {path}", path="x/last.pt") == "loaded x/last.pt"
     finally:
         plumbing.use_language("en")
-    assert plumbing.say("loaded {path}", path="x/final.pt") == "loaded x/final.pt"
+    assert plumbing.say("loaded {path}", path="x/last.pt") == "loaded x/last.pt"

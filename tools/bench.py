@@ -7,7 +7,7 @@
 It measures what `make run` does, with the notebook's functions from its `.py` twin.
 Training runs in the preset's precision (or --precision), with the run's loss, through
 the notebook's `at.run_epoch`, which clips and steps as a run does; decoding loads the
-run's final checkpoint from its folder (`plumbing.run_folder`) and goes through the run's
+run's finished model from its folder (`plumbing.run_folder`) and goes through the run's
 own `at.evaluate_test`, with the preset's beam size and length penalty.
 
 Four comparisons, each measured side by side in one run because machines are noisy:
@@ -20,7 +20,7 @@ warm-up excluded, the median of several repeats, the two contenders interleaved.
    well-known 2022 notebook sets it up (72-token padding, 32 sentences, spaCy in the
    DataLoader's collate, dense KL label smoothing), in the same precision as ours;
 3. the share of real tokens in training batches for both pipelines;
-4. greedy and beam decoding of test2016 with the trained final checkpoint, with and
+4. greedy and beam decoding of test2016 with the run's trained model, with and
    without cached keys and values.
 
 Peak memory and the machine's facts go into the same JSON file; the README's Performance
@@ -590,14 +590,12 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     finished run in its folder under data_dir, as `make run` left it."""
     folder = plumbing.run_folder(settings, data, vars(at), data_dir)
     last = folder / "last.pt"
-    checkpoint = read_checkpoint(last) if last.is_file() else None
-    if checkpoint is None or len(checkpoint["history"]) < settings.epochs:
+    if not last.is_file() or len(read_checkpoint(last)["history"]) < settings.epochs:
         return {
             "skipped": f"no trained model in {folder}: "
             f"run `AT_PRESET={settings.name} make run` first"
         }
-    model = at.model_for(settings, data.vocabs).to(device).eval()
-    model.load_state_dict(checkpoint["model"])
+    model = at.train(settings, data, folder, device=device)[0].eval()  # finished: it loads
     vocabs, sources = data.vocabs, [src for src, _ in data.test]
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty
