@@ -98,7 +98,7 @@ CPU = Settings(
     schedule="linear",  # to zero at the last step of the last epoch
     clip_norm=1.0,  # the paper is silent on clipping
     precision="fp32",  # the same recipe on every CPU (weights may differ by rounding)
-    average_last=1,  # none: in short runs averaging cost BLEU
+    average_last=1,  # none: it cost BLEU in 6 epochs, and gained none in 13
     length_penalty=1.0,  # beat the paper's 0.6 on validation
 )
 
