@@ -3475,7 +3475,7 @@ MY_SENTENCES = [
 #     print(f"read as:         {data.vocabs['de'].pieces(german_tokens(german))}")
 #     print("unknown words:  ", unknown_words(german, data.vocabs) or "not one", end="\n\n")
 #     assert isinstance(english, str) and "<s>" not in english and "@@" not in english
-# quantum_unknown = "Quantencomputer" in unknown_words(MY_SENTENCES[2], data.vocabs)
+# quantum_unknown = "Quantencomputer" in unknown_words("Quantencomputer", data.vocabs)
 # assert quantum_unknown == (data.vocabs["de"].merges is None)
 
 # %% [markdown]

@@ -6,6 +6,7 @@ Used by tests/test_lab.py and by tools/measure_renderers.py. Chromium is Debian'
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -31,8 +32,13 @@ CHROMIUM_FLAGS = [
 ]
 # A chart is drawn when Vega has put its marks into an SVG or a canvas.
 CHART = ".jp-OutputArea-output svg.marks, .jp-OutputArea-output canvas.marks"
-# An output that shows an exception (a traceback).
-ERROR_OUTPUT = "[data-mime-type='application/vnd.jupyter.error']"
+# An output that shows an exception. JupyterLab 4 draws an exception with the renderer of
+# stderr text, so it is told from a warning by its text: a traceback, or an error's name.
+ERROR_OUTPUT = (
+    "[data-mime-type='application/vnd.jupyter.error'],"
+    " [data-mime-type='application/vnd.jupyter.stderr']"
+)
+ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|\b\w*(Error|Exception)\b")
 
 
 @contextlib.contextmanager
@@ -148,4 +154,4 @@ def charts_drawn(page) -> int:
 
 def error_outputs(page) -> list[str]:
     """The text of every output that shows an exception."""
-    return page.locator(ERROR_OUTPUT).all_inner_texts()
+    return page.locator(ERROR_OUTPUT).filter(has_text=ERROR_TEXT).all_inner_texts()
