@@ -3115,8 +3115,8 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # * **Small batches** of 1,500 tokens, not 2,500: far ahead after one epoch (8.9 and 12.8
 #   against 5.0 and 1.5, two seeds), level at the end.
 # * **Words, not sub-words**, whose longer sentences fit fewer epochs: 34.1 against 30.9.
-# * **No averaging**: the mean of the last three epochs cost 2.5 BLEU in a 6-epoch run,
-#   and moved it by less than 0.1 in the 13-epoch preset, whose rate ends at zero.
+# * **No averaging**: the mean of the last three epochs' weights (§6.1) cost 2.5 BLEU in
+#   a 6-epoch run; in the 13-epoch preset it changed BLEU by less than 0.1, a tie.
 # * **$\alpha = 1.0$** beat the paper's 0.6 in all seven comparisons, by 0.2 to 0.4 (beam).
 
 # %% [markdown]
@@ -3447,11 +3447,10 @@ def unknown_words(sentence: str, vocabs: dict, tokenizers: dict | None = None) -
     return [t for t in de.pieces(german_tokens(sentence, tokenizers)) if t not in de.stoi]
 
 
-def translate_text(model, sentence: str, data: Multi30k, settings: Settings) -> str:
-    """Translate one raw German sentence into plain English, by the preset's beam search."""
-    sources = [german_ids(sentence, data.vocabs)]
-    search = beam_searcher(settings.beam_size, settings.length_penalty)
-    (tokens,) = translate(model, sources, data.vocabs, search=search)
+def translate_text(model, sentence: str, data: Multi30k, **decoding) -> str:
+    """Translate one raw German sentence into plain English (greedy unless `decoding` says
+    otherwise)."""
+    (tokens,) = translate(model, [german_ids(sentence, data.vocabs)], data.vocabs, **decoding)
     return detokenize(tokens)
 
 
@@ -3470,7 +3469,7 @@ MY_SENTENCES = [
 
 # %% active="ipynb"
 # for german in MY_SENTENCES:
-#     english = translate_text(model, german, data, settings)
+#     english = translate_text(model, german, data, **beam)  # the preset's beam search
 #     print(f"German sentence: {german}\nour translation: {english}")
 #     print(f"read as:         {data.vocabs['de'].pieces(german_tokens(german))}")
 #     print("unknown words:  ", unknown_words(german, data.vocabs) or "not one", end="\n\n")

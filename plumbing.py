@@ -489,8 +489,8 @@ def free_port() -> int:
 def prepare_cpu_memory() -> bool:
     """Settings of the C library and of oneDNN that make CPU training faster and leaner.
 
-    Call it before the first bf16 matrix product. Two things, both measured on a 2-core
-    Xeon with `cpu`-preset training batches in bf16 (one run each):
+    Call it before the first bf16 matrix product. Two things, both first measured on a
+    2-core Xeon with `cpu`-preset training batches in bf16 (one run each):
 
     * glibc serves every block over 32 MiB with its own mmap and unmaps it when freed,
       so each step's (tokens x vocabulary) tensors fault in fresh pages. Raising the
