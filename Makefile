@@ -73,14 +73,16 @@ test: setup
 		--nbval-cell-timeout=900 -q --durations=15 \
 		-n auto --maxprocesses=4
 
-# The numerically sensitive tests (marked `numerics`) under other kernel sets, each of which
-# rounds differently, as another CPU would; the tests must hold under all of them:
-# PyTorch's generic kernels; MKL's SSE2 code branch for matrix products (MKL_CBWR, which
-# also takes effect on AMD CPUs); and a CPU with AVX2 at most, as PyTorch, oneDNN and MKL
-# (which heeds MKL_ENABLE_INSTRUCTIONS on Intel CPUs only) would see it. On a CPU without
-# AVX-512 that last leg is the kernel set `make test` already ran. No leg for
-# OMP_NUM_THREADS: the tests and the processes they start set their own thread counts.
+# The numerically sensitive tests (marked `numerics`) under each kernel set the machine has,
+# each of which rounds differently, as another CPU would; the tests must hold under all of
+# them: the machine's own kernels (AVX-512 where it has them); PyTorch's generic kernels;
+# MKL's SSE2 code branch for matrix products (MKL_CBWR, which also takes effect on AMD
+# CPUs); and a CPU with AVX2 at most, as PyTorch, oneDNN and MKL (which heeds
+# MKL_ENABLE_INSTRUCTIONS on Intel CPUs only) would see it. A leg can only choose kernels at
+# or below what the CPU has. The tests run on one thread (tests/conftest.py), as a notebook
+# kernel does under `make test`; the processes they start set their own thread counts.
 test-numerics: setup
+	$(PY) -m pytest $(NUMERICS_TESTS) -q
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest $(NUMERICS_TESTS) -q
 	MKL_CBWR=COMPATIBLE $(PY) -m pytest $(NUMERICS_TESTS) -q
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \

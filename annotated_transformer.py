@@ -166,12 +166,15 @@ def set_seed(seed: int) -> None:
 # %% [markdown]
 # The next cell picks a *preset*, one record of every setting: cpu, a small model that
 # trains for 13 epochs on a laptop, or gpu, the paper's base model, for a GPU; smoke is
-# a toy for the tests. To choose, set `AT_PRESET` before Jupyter starts. Part 6 explains
-# the presets.
+# a toy for the tests. To choose, set `AT_PRESET` before Jupyter starts; unset, it is cpu,
+# on a GPU too, and the cell then says how to ask for gpu. Part 6 explains the
+# presets.
 
 # %% active="ipynb"
 # settings = get_settings()
 # print(f"the {settings.name!r} preset")
+# if torch.cuda.is_available() and settings.name != "gpu":
+#     print("on this GPU; AT_PRESET=gpu make run trains the paper's base model, untried on a GPU")
 
 # %% [markdown]
 # ## Background
@@ -399,7 +402,9 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 #   \mathrm{Attention}(QW_i^Q, KW_i^K, VW_i^V)$$
 #
 # with $d_k = d_v = d_{\text{model}} / h$, so all heads cost about one head of full
-# width. We compute all heads at once: one projection, reshaped into $h$ heads.
+# width. We compute all heads at once: one projection, reshaped into $h$ heads. `forward`
+# makes the projections and hands them to `attend`, which does the rest; Part 5's fast
+# decoding calls `attend` alone.
 
 
 # %%
@@ -423,6 +428,10 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.w_q(query))  # (B, h, T_q, d_k)
         k = self.split_heads(self.w_k(key))  # (B, h, T_k, d_k)
         v = self.split_heads(self.w_v(value))  # (B, h, T_k, d_k)
+        return self.attend(q, k, v, mask)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Every head's attention, then Concat and W^O: (B, h, T_q, d_k) -> (B, T_q, d_model)."""
         mask = None if mask is None else mask.unsqueeze(1)  # (B, 1, T_q or 1, T_k): all heads
         out, _ = attention(query=q, key=k, value=v, mask=mask, dropout=self.dropout)
         # Concat(head_1, ..., head_h): (B, h, T_q, d_k) -> (B, T_q, h, d_k) -> (B, T_q, h * d_k)
@@ -431,7 +440,9 @@ class MultiHeadAttention(nn.Module):
 
 # %% [markdown]
 # **A proof you can see.** PyTorch's `nn.MultiheadAttention`, given our weights, must
-# give the same outputs, here with a padding mask.
+# give the same outputs, here with a padding mask. Checks like this one compute in
+# float64, whose rounding (about $10^{-16}$) lies far below their tolerance of
+# $10^{-10}$: a pass is no accident of rounding, and a bug cannot hide in it.
 
 
 # %%
@@ -444,14 +455,14 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 
 
 # %% active="ipynb"
-# mha = MultiHeadAttention(h=4, d_model=16, dropout=0.0).eval()
-# torch_mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+# mha = MultiHeadAttention(h=4, d_model=16, dropout=0.0).double().eval()
+# torch_mha = nn.MultiheadAttention(16, 4, batch_first=True).double().eval()
 # copy_into_pytorch(mha, torch_mha)
-# x = torch.randn(2, 5, 16)
+# x = torch.randn(2, 5, 16, dtype=torch.float64)
 # keep = torch.tensor([[True] * 5, [True, True, True, False, False]])  # (B, S): 2 pads
 # ours = mha(query=x, key=x, value=x, mask=keep.unsqueeze(1))  # (B, T, d_model)
 # theirs, _ = torch_mha(x, x, x, key_padding_mask=~keep)  # PyTorch: True means "ignore"
-# assert ours.shape == (2, 5, 16) and torch.allclose(ours, theirs, atol=1e-6)
+# assert ours.shape == (2, 5, 16) and torch.allclose(ours, theirs, atol=1e-10)
 # try:
 #     MultiHeadAttention(h=3, d_model=16, dropout=0.0)
 #     raise AssertionError("d_model not divisible by h must be refused")
@@ -518,11 +529,11 @@ class FeedForward(nn.Module):
 
 
 # %% active="ipynb"
-# ffn, x = FeedForward(d_model=8, d_ff=32), torch.randn(2, 3, 8)
+# ffn, x = FeedForward(d_model=8, d_ff=32).double(), torch.randn(2, 3, 8, dtype=torch.float64)
 # W1, b1, W2, b2 = ffn.linear1.weight, ffn.linear1.bias, ffn.linear2.weight, ffn.linear2.bias
 # by_hand = torch.relu(x @ W1.T + b1) @ W2.T + b2  # max(0, x W_1 + b_1) W_2 + b_2
-# assert torch.allclose(ffn(x), by_hand, atol=1e-6)
-# assert torch.allclose(ffn(x[:, 1:2]), ffn(x)[:, 1:2], atol=1e-6)  # one position alone
+# assert torch.allclose(ffn(x), by_hand, atol=1e-10)
+# assert torch.allclose(ffn(x[:, 1:2]), ffn(x)[:, 1:2], atol=1e-10)  # one position alone
 
 # %% [markdown]
 # ### Residual connection and layer normalisation (§3.1)
@@ -637,8 +648,9 @@ class Encoder(nn.Module):
 # weights, post-norm like ours, computes the same function with dropout off.
 
 # %% active="ipynb"
-# layer = EncoderLayer(LayerConfig(d_model=16, h=4, d_ff=32, dropout=0.0)).eval()
-# torch_layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+# layer = EncoderLayer(LayerConfig(d_model=16, h=4, d_ff=32, dropout=0.0)).double().eval()
+# torch_layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+# torch_layer = torch_layer.double().eval()
 # copy_into_pytorch(layer.self_attn, torch_layer.self_attn)
 # for theirs, ours in [
 #     (torch_layer.linear1, layer.feed_forward.linear1),
@@ -647,10 +659,10 @@ class Encoder(nn.Module):
 #     (torch_layer.norm2, layer.ff_sublayer.norm),
 # ]:
 #     theirs.load_state_dict(ours.state_dict())
-# x, keep = torch.randn(1, 4, 16), torch.tensor([[True, True, True, False]])  # last: pad
+# x, keep = torch.randn(1, 4, 16, dtype=torch.float64), torch.tensor([[True, True, True, False]])
 # encoder = Encoder([layer], d_model=16)
 # ours = encoder(x, keep.unsqueeze(1))  # (B=1, S=4, d_model)
-# assert torch.allclose(ours, torch_layer(x, src_key_padding_mask=~keep), atol=1e-5)
+# assert torch.allclose(ours, torch_layer(x, src_key_padding_mask=~keep), atol=1e-10)
 
 # %% [markdown]
 # ### Decoder (§3.1)
@@ -1066,10 +1078,11 @@ class LabelSmoothing(nn.Module):
         self.kl = nn.KLDivLoss(reduction="sum")
         self.vocab_size, self.pad_id, self.smoothing = vocab_size, pad_id, smoothing
 
-    def smoothed_target(self, target: Tensor) -> Tensor:
+    def smoothed_target(self, target: Tensor, dtype=torch.float32) -> Tensor:
         """(n,) token ids -> (n, V) distribution: 1 - eps on the answer, eps spread."""
         # eps over V - 2 words: neither the right answer nor padding
-        dist = torch.full((target.size(0), self.vocab_size), self.smoothing / (self.vocab_size - 2))
+        spread = self.smoothing / (self.vocab_size - 2)
+        dist = torch.full((target.size(0), self.vocab_size), spread, dtype=dtype)
         dist = dist.to(target.device)
         dist.scatter_(1, target.unsqueeze(1), 1.0 - self.smoothing)
         dist[:, self.pad_id] = 0.0
@@ -1078,7 +1091,7 @@ class LabelSmoothing(nn.Module):
 
     def forward(self, log_probs: Tensor, target: Tensor) -> Tensor:
         # log_probs (n, V), target (n,)
-        return self.kl(log_probs, self.smoothed_target(target))
+        return self.kl(log_probs, self.smoothed_target(target, log_probs.dtype))
 
 
 # %% [markdown]
@@ -1155,12 +1168,12 @@ class FastLabelSmoothing(LabelSmoothing):
 
 
 # %% active="ipynb"
-# check_logits = torch.randn(6, 7)
+# check_logits = torch.randn(6, 7, dtype=torch.float64)
 # check_target = torch.tensor([3, 0, 5, 1, 0, 6])
 # for eps in (0.0, 0.1, 0.3):
 #     slow, fast = LabelSmoothing(7, 0, eps), FastLabelSmoothing(7, 0, eps)
 #     log_p = F.log_softmax(check_logits, dim=-1)
-#     assert torch.allclose(slow(log_p, check_target), fast(log_p, check_target), atol=1e-5)
+#     assert torch.allclose(slow(log_p, check_target), fast(log_p, check_target), atol=1e-10)
 
 
 # %% [markdown]
@@ -1422,11 +1435,12 @@ def params_after_one_step(model, batches: list[Batch], accum_iter: int) -> Tenso
 # one_batch = nn.utils.rnn.pad_sequence([*long_pairs, *short_pair], batch_first=True)
 # set_seed(0)
 # accum_model = make_model(11, 11, ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0))
+# accum_model = accum_model.double()  # float64, as in Part 1's checks
 # micro_batches = [Batch(long_pairs, long_pairs, 0), Batch(short_pair, short_pair, 0)]
 # accumulated = params_after_one_step(accum_model, micro_batches, accum_iter=2)
 # big_batch = params_after_one_step(accum_model, [Batch(one_batch, one_batch, 0)], accum_iter=1)
 # assert [b.ntokens for b in micro_batches] == [8, 2]
-# assert torch.allclose(accumulated, big_batch, atol=1e-6)
+# assert torch.allclose(accumulated, big_batch, atol=1e-10)
 
 
 # %% [markdown]
@@ -1564,8 +1578,8 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 #
 # A toy task isolates the machinery: the model sees random digits and must output them
 # unchanged. It uses every piece the translator will use: the model, the masks, the
-# loss, the schedule and `run_epoch`. A working Transformer learns it in 200 small steps;
-# a bug in masks, shifting or the loss shows at once. Its ids:
+# loss, the schedule and `run_epoch`. A working Transformer learns it in a few hundred
+# small steps; a bug in masks, shifting or the loss shows at once. Its ids:
 #
 # * padding 0, start 1, end 2;
 # * the digits, 3 to 12.
@@ -1601,63 +1615,92 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 #
 # * two layers of width 64, with four heads and a feed-forward width of 128, and no
 #   dropout;
-# * Adam with a 100-step warm-up, then `linear_rate`'s line to zero (the paper's decay
-#   would be at 71% of its peak after 200 steps);
+# * Adam with the paper's schedule (§5.3), warmed up over 100 steps; it has no end, so
+#   training can stop whenever the model has learnt;
 # * no label smoothing, as a copy has one right answer;
 # * accumulation over two micro-batches, to exercise it.
 #
 # Each epoch draws 40 fresh batches of 64, so the model must learn the rule. Every 5
 # epochs it prints the loss on 4 unseen batches. A blind guess among the 13 ids would
 # score ln 13 ≈ 2.6; in the copy below, the loss is well below that at the end of
-# warm-up, and 100 steps later it has fallen by orders of magnitude.
+# warm-up, and close to zero by the time every copy comes out right.
+#
+# After every epoch, `until` tests the model; training stops once it passes, or after
+# `max_steps`. The test we pass is the proof itself: greedy decoding of held-out
+# sequences, drawn from a seed of their own, must give back every one unchanged.
+# Decoding feeds the model its own outputs, as translation does, so one wrong digit
+# derails the rest.
 
 
 # %%
+COPY_MAX_STEPS = 1500  # over twice the most that a copy we measured needed (tests/MARGINS.md)
+
+
 def train_copy_task(
-    epochs: int = 10,
-    batches_per_epoch: int = 40,
-    seed: int = SEED,
+    until=None,
     *,
+    max_steps: int = COPY_MAX_STEPS,
+    seed: int = SEED,
     make_batch=copy_batch,
     config: ModelConfig | None = None,
     build=make_model,
 ):
-    """Train a small Transformer to copy digit sequences; return it.
+    """Train a small Transformer on copy batches until `until(model)` holds, or for
+    `max_steps`; return the model and the optimizer steps it took.
 
     make_batch draws the batches (another one serves the experiment below); config
     changes the model (an exercise tries one); build makes it (Part 11 hands in another)."""
     set_seed(seed)
     config = config or ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
     model = build(COPY_VOCAB, COPY_VOCAB, config)
-    steps = epochs * math.ceil(batches_per_epoch / 2)  # two micro-batches a step
-    plan = Settings(name="copy", d_model=config.d_model, warmup=100, schedule="linear")
-    optimizer, schedule = make_optimizer(model, plan, total_steps=steps)
+    plan = Settings(name="copy", d_model=config.d_model, warmup=100, schedule="inverse_sqrt")
+    optimizer, schedule = make_optimizer(model, plan)
     criterion = LabelSmoothing(COPY_VOCAB, COPY_PAD, smoothing=0.0)
     data = torch.Generator().manual_seed(seed)
-    for epoch in range(1, epochs + 1):
-        batches = [make_batch(64, 10, data) for _ in range(batches_per_epoch)]
+    for epoch in range(1, math.ceil(max_steps / 20) + 1):  # 20 steps an epoch
+        batches = [make_batch(64, 10, data) for _ in range(40)]
         run_epoch(batches, model, criterion, optimizer, schedule, accum_iter=2)
         if epoch % 5 == 0:
             loss = evaluate([make_batch(64, 10, data) for _ in range(4)], model, criterion)
             print(f"epoch {epoch:2d}  optimizer step {schedule.last_epoch:4d}  val loss {loss:.4f}")
-    return model
+        if until is not None and until(model):
+            break
+    return model, schedule.last_epoch
 
 
 # %% [markdown]
-# The proof is greedy decoding of 100 held-out sequences, drawn from a seed of their own:
-# all must come back unchanged.
-# Decoding feeds the model its own outputs, as translation does, so one wrong digit
-# derails the rest. Re-run this cell after any change to Parts 1 or 2: it catches in
-# 200 small steps what the Multi30k run would show only after its training.
+# `decodes_exactly` makes such a test from source rows and the rows they must become:
+
+
+# %%
+def decodes_exactly(sources: Tensor, targets: Tensor, scorer=FullPrefix):
+    """A test for `until`: does greedy decoding turn every source row into its target row?"""
+
+    def test(model) -> bool:
+        source_mask = (sources != COPY_PAD).unsqueeze(-2)
+        length = targets.size(1)
+        output = greedy_decode(model, sources, source_mask, length, ids=COPY_IDS, scorer=scorer)
+        return torch.equal(output, targets)
+
+    return test
+
+
+# %% [markdown]
+# The proof: 100 held-out sequences. The step count it prints varies a little between
+# machines, as rounding does; the limit is over twice the most we measured. Re-run this
+# cell after any change to Parts 1 or 2: it catches in a few hundred small steps what
+# the Multi30k run would show only after its training.
 
 # %% active="ipynb"
-# copy_model = train_copy_task()
 # held_out = copy_batch(100, 10, torch.Generator().manual_seed(12345))
+# copies_held_out = decodes_exactly(held_out.src, held_out.src)
+# copy_model, copy_steps = train_copy_task(until=copies_held_out)
 # copied = greedy_decode(copy_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
 # print("a held-out source:", held_out.src[0].tolist())
 # print("the model's copy: ", copied[0].tolist())
+# print(f"every held-out sequence copied after {copy_steps} optimizer steps")
 # assert torch.equal(copied, held_out.src), (
-#     "the copy model must reproduce every held-out sequence"
+#     f"the copy model must reproduce every held-out sequence within {COPY_MAX_STEPS} steps"
 # )
 
 
@@ -1669,7 +1712,7 @@ def train_copy_task(
 # combined one belongs, causes this; the symptom is a training loss too good to be true.
 #
 # Below, `without_causal_mask` keeps only the padding mask; the next cell trains on such
-# batches for 10 epochs, then measures the loss and the share of 100 unseen sequences
+# batches for 200 steps, then measures the loss and the share of 100 unseen sequences
 # copied.
 
 
@@ -1682,7 +1725,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 
 
 # %% active="ipynb"
-# peeking_model = train_copy_task(make_batch=without_causal_mask)
+# peeking_model, _ = train_copy_task(make_batch=without_causal_mask, max_steps=200)
 # copy_loss = LabelSmoothing(COPY_VOCAB, COPY_PAD, smoothing=0.0)
 # unseen = torch.Generator().manual_seed(12345)
 # peeking_loss = evaluate([without_causal_mask(100, 10, unseen)], peeking_model, copy_loss)
@@ -1693,7 +1736,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # copied = [row[: sources.size(1)].tolist() == src.tolist() for row, src in zip(decoded, sources)]
 # copied_share = sum(copied) / len(copied)
 # print(f"loss with the answer in view: {peeking_loss:.4f}; copied exactly: {copied_share:.0%}")
-# assert peeking_loss < 0.1 and copied_share < 0.1
+# assert peeking_loss < 0.5 and copied_share < 0.1  # a fifth of a blind guess's loss, or less
 
 
 # %% [markdown]
@@ -1716,11 +1759,10 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 
 # %% active="ipynb" tags=["check"]
 # assert filled(prenorm_config).pre_norm, "ask ModelConfig for pre-norm sub-layers"
-# prenorm_model = train_copy_task(config=prenorm_config)
-# copied = greedy_decode(prenorm_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
-# prenorm_share = (copied == held_out.src).all(dim=1).float().mean().item()
-# print(f"pre-norm copied {prenorm_share:.0%} of the 100 held-out sequences exactly")
-# assert prenorm_share > 0.9, f"pre-norm copied {prenorm_share:.0%}; over 90% expected"
+# prenorm_model, prenorm_steps = train_copy_task(copies_held_out, config=prenorm_config)
+# assert isinstance(prenorm_model.encoder.final_norm, nn.LayerNorm), "pre-norm: a final LayerNorm"
+# assert copies_held_out(prenorm_model), f"pre-norm copied not all in {prenorm_steps} steps"
+# print(f"pre-norm copied every held-out sequence after {prenorm_steps} optimizer steps")
 
 # %% [markdown]
 # **3.2 Reverse instead of copy.** A task the model cannot solve by reading the source
@@ -1753,14 +1795,11 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # want = [row[0], *row[-2:0:-1], row[-1]]  # <s> and </s> stay where they are
 # got = filled(reversed_words(torch.tensor([row])))[0].tolist()
 # assert got == want, f"{row} should become {want}, <s> and </s> in place; yours gives {got}"
-# reversing_model = train_copy_task(make_batch=reverse_batch)
 # test = reverse_batch(100, 10, torch.Generator().manual_seed(12345))
-# output = greedy_decode(reversing_model, test.src, test.src_mask, 12, ids=COPY_IDS)
-# expected = reversed_words(test.src)  # (100, 12), <s> and </s> included
-# same = (output == expected).all(dim=1) if output.shape == expected.shape else torch.zeros(1)
-# reversed_share = same.float().mean().item()
-# print(f"reversed {reversed_share:.0%} of the 100 held-out sequences exactly")
-# assert reversed_share > 0.9, f"only {reversed_share:.0%} reversed; over 90% expected"
+# reverses_held_out = decodes_exactly(test.src, reversed_words(test.src))  # <s> ... </s> too
+# reversing_model, reverse_steps = train_copy_task(reverses_held_out, make_batch=reverse_batch)
+# assert reverses_held_out(reversing_model), f"not all reversed in {reverse_steps} steps"
+# print(f"every held-out sequence reversed after {reverse_steps} optimizer steps")
 
 # %% [markdown]
 # ## Part 4: a real task, German to English on Multi30k
@@ -2634,34 +2673,9 @@ def watched_translations(model, data: Multi30k) -> list[str]:
 # all of it is past.
 #
 # The cache keeps keys and values already projected, so it needs the second half of
-# Part 1's multi-head attention alone.
-# We cut `forward` in two, computing the same:
-#
-# * `attend`: every head's attention, then Concat and $W^O$;
-# * a new `forward`: the projections, then `attend`.
-#
-# A function assigned to a class's attribute becomes a method, even in a later cell
-# (d2l's `add_to_class` does the same).
-
-
-# %%
-def attend(self: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-    """Attention of every head, then Concat and W^O: (B, h, T_q, d_k) -> (B, T_q, d_model)."""
-    mask = None if mask is None else mask.unsqueeze(1)  # (B, 1, T_q or 1, T_k): all heads
-    out, _ = attention(query=q, key=k, value=v, mask=mask, dropout=self.dropout)
-    # Concat(head_1, ..., head_h): (B, h, T_q, d_k) -> (B, T_q, h, d_k) -> (B, T_q, h * d_k)
-    return self.w_o(out.transpose(1, 2).flatten(2))
-
-
-def project_then_attend(self: MultiHeadAttention, *, query, key, value, mask=None) -> Tensor:
-    """Part 1's forward in two halves: the projections W^Q, W^K, W^V, then attend()."""
-    q = self.split_heads(self.w_q(query))  # (B, h, T_q, d_k)
-    k = self.split_heads(self.w_k(key))  # (B, h, T_k, d_k)
-    v = self.split_heads(self.w_v(value))  # (B, h, T_k, d_k)
-    return self.attend(q, k, v, mask)
-
-
-MultiHeadAttention.attend, MultiHeadAttention.forward = attend, project_then_attend
+# Part 1's multi-head attention alone. That is why Part 1 wrote it as a method of its
+# own: `attend` takes projected queries, keys and values, and `forward` is the
+# projections, then `attend`.
 
 
 # %%
@@ -2717,7 +2731,7 @@ class CachedPrefix(FullPrefix):
 # decoding writes the same words with either.
 
 # %% active="ipynb"
-# kv_model = make_model(11, 13, ModelConfig(N=2, d_model=16, d_ff=32, h=2)).eval()
+# kv_model = make_model(11, 13, ModelConfig(N=2, d_model=16, d_ff=32, h=2)).double().eval()
 # kv_src = torch.randint(3, 11, (3, 6))
 # kv_mask = torch.ones(3, 1, 6, dtype=torch.bool)
 # with torch.no_grad():
@@ -2728,7 +2742,7 @@ class CachedPrefix(FullPrefix):
 #     )
 #     kv_ys = torch.randint(3, 13, (3, 5))
 #     for t in range(1, 6):
-#         assert torch.allclose(full(kv_ys[:, :t]), cached(kv_ys[:, :t]), atol=1e-5)
+#         assert torch.allclose(full(kv_ys[:, :t]), cached(kv_ys[:, :t]), atol=1e-10)
 # kv_ids = SpecialIds(start=1, end=2, pad=0)
 # kv_greedy = [
 #     greedy_decode(kv_model, kv_src, kv_mask, 10, ids=kv_ids, scorer=scorer)
@@ -2798,7 +2812,9 @@ class CachedPrefix(FullPrefix):
 # * gpu is the paper's base model. On 29,000 sentence pairs its 51 million parameters
 #   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
 #   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus (IWSLT'14 German-English).
-#   No GPU has run it yet: these choices are reasoned, not measured.
+#   No GPU has run it yet: these choices are reasoned, not measured, so a GPU runs cpu
+#   unless `AT_PRESET=gpu` asks for it. Its products are bf16 where the GPU computes bf16
+#   in hardware (compute capability 8.0 or more), else fp32, as on Colab's T4.
 #
 # The table puts them side by side. Every field, with its reason, is in
 # [presets.py](presets.py). On a slow machine, train fewer epochs:
@@ -2809,7 +2825,7 @@ class CachedPrefix(FullPrefix):
 
 # %% active="ipynb"
 # preset_table = pd.DataFrame({name: dataclasses.asdict(p) for name, p in PRESETS.items()})
-# assert list(preset_table.columns) == ["smoke", "cpu", "gpu"] and settings in PRESETS.values()
+# assert list(preset_table.columns) == ["smoke", "cpu", "gpu"] and settings.name in PRESETS
 # display(preset_table.drop(index="name").astype(str))
 
 # %% [markdown]
@@ -3615,7 +3631,12 @@ def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int)
     def capture(block, args, kwargs) -> None:  # the hook: called with the block's inputs
         seen[block] = attention_weights(block, **kwargs)[0].cpu()
 
-    blocks = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    kinds = {
+        "encoder self-attention": [layer.self_attn for layer in model.encoder.layers],
+        "decoder self-attention": [layer.self_attn for layer in model.decoder.layers],
+        "encoder-decoder attention": [layer.cross_attn for layer in model.decoder.layers],
+    }
+    blocks = [block for per_layer in kinds.values() for block in per_layer]
     hooks = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in blocks]
     try:
         model.eval()
@@ -3624,11 +3645,7 @@ def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int)
     finally:
         for hook in hooks:
             hook.remove()
-    return {
-        "encoder self-attention": [seen[layer.self_attn] for layer in model.encoder.layers],
-        "decoder self-attention": [seen[layer.self_attn] for layer in model.decoder.layers],
-        "encoder-decoder attention": [seen[layer.cross_attn] for layer in model.decoder.layers],
-    }
+    return {kind: [seen[block] for block in per_layer] for kind, per_layer in kinds.items()}
 
 
 # %% [markdown]
@@ -4022,10 +4039,11 @@ class DDPProcesses(Processes):
 # zero, the two agree:
 
 # %% active="ipynb"
-# rms_layer, layer_norm = nn.RMSNorm(8, eps=1e-5), nn.LayerNorm(8, elementwise_affine=False)
-# x = torch.randn(2, 3, 8)
+# rms_layer = nn.RMSNorm(8, eps=1e-5).double()
+# layer_norm = nn.LayerNorm(8, elementwise_affine=False)
+# x = torch.randn(2, 3, 8, dtype=torch.float64)
 # centred = x - x.mean(-1, keepdim=True)
-# assert torch.allclose(rms_layer(centred), layer_norm(centred), atol=1e-5)  # no mean: the same
+# assert torch.allclose(rms_layer(centred), layer_norm(centred), atol=1e-10)  # no mean: the same
 # assert not torch.allclose(rms_layer(x), layer_norm(x), atol=1e-2)  # but a mean is kept
 
 # %% [markdown]
@@ -4059,8 +4077,11 @@ def rotate(x: Tensor, first: int = 0) -> Tensor:
     """Turn each pair of dimensions (2i, 2i+1) of the vector at position p by the angle
     p / 10000^(2i/d): (..., T, d), positions first .. first + T - 1."""
     T, d = x.shape[-2:]
-    positions = torch.arange(first, first + T, device=x.device, dtype=torch.float32)
-    inv_freq = torch.exp(torch.arange(0, d, 2, device=x.device) * (-math.log(10000.0) / d))
+    work = torch.promote_types(x.dtype, torch.float32)  # angles in float32, or finer
+    positions = torch.arange(first, first + T, device=x.device, dtype=work)
+    inv_freq = torch.exp(
+        torch.arange(0, d, 2, device=x.device, dtype=work) * (-math.log(10000.0) / d)
+    )
     angle = positions.unsqueeze(1) * inv_freq  # (T, d/2): §3.5's angles, over a head's width
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
@@ -4176,22 +4197,25 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 # print(f"the paper's block: {sizes[0]:,} parameters; today's: {sizes[1]:,}")
 # assert abs(sizes[1] / sizes[0] - 1) < 0.05  # the same budget
 # small_config = ModelConfig(N=2, d_model=16, d_ff=32, h=2, pre_norm=True)
-# small = modernise(make_model(11, 13, small_config), small_config.h, small_config.d_ff).eval()
+# small = modernise(make_model(11, 13, small_config), small_config.h, small_config.d_ff)
+# small = small.double().eval()
 # with torch.no_grad():
 #     small_memory = small.encode(kv_src, kv_mask)
 #     full = FullPrefix(small, small_memory, kv_mask)
 #     cached = CachedPrefix(small, small_memory, kv_mask)
 #     for t in range(1, 6):
-#         assert torch.allclose(full(kv_ys[:, :t]), cached(kv_ys[:, :t]), atol=1e-5)
+#         assert torch.allclose(full(kv_ys[:, :t]), cached(kv_ys[:, :t]), atol=1e-10)
 
 # %% [markdown]
 # **A first test.** Part 3's copy task, with today's block:
 
 # %% active="ipynb"
 # copy_config = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0, pre_norm=True)
-# modern_copy = train_copy_task(
-#     config=copy_config, build=lambda src, tgt, c: modernise(make_model(src, tgt, c), c.h, c.d_ff)
-# )
+# modern_copy, modern_steps = train_copy_task(
+#     decodes_exactly(held_out.src, held_out.src, CachedPrefix), config=copy_config,
+#     build=lambda src, tgt, c: modernise(make_model(src, tgt, c), c.h, c.d_ff),
+# )  # fmt: skip
+# print(f"today's block copied every held-out sequence after {modern_steps} optimizer steps")
 # copied = greedy_decode(modern_copy, held_out.src, held_out.src_mask, 12, ids=COPY_IDS,
 #                        scorer=CachedPrefix)  # fmt: skip
 # assert torch.equal(copied, held_out.src), "today's block must copy every held-out sequence"
@@ -4273,13 +4297,13 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 #         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
 
 # %% active="ipynb" tags=["check"]
-# theirs = nn.RMSNorm(16, eps=0.5)
+# theirs = nn.RMSNorm(16, eps=0.5).double()
 # with torch.no_grad():
 #     theirs.weight.uniform_(0.5, 2.0)
-#     x = 0.5 * torch.randn(4, 5, 16)  # small numbers: eps = 0.5 changes the result
+#     x = 0.5 * torch.randn(4, 5, 16, dtype=torch.float64)  # small: eps = 0.5 changes the result
 #     mine = filled(rms_norm(x, theirs.weight, eps=0.5))
 #     assert mine.shape == x.shape, f"your shape {tuple(mine.shape)}, not {tuple(x.shape)}"
-#     assert torch.allclose(mine, theirs(x), atol=1e-5), (
+#     assert torch.allclose(mine, theirs(x), atol=1e-10), (
 #         "your RMSNorm differs from nn.RMSNorm: divide by the root of the mean square over the "
 #         "last dimension, plus eps, then multiply by the gain"
 #     )

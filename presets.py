@@ -2,10 +2,12 @@
 
 Every knob of a run lives in one frozen dataclass, `Settings`, each field with its reason;
 a preset is a named instance of it. `get_settings` picks one: the environment variable
-`AT_PRESET`, else `gpu` where CUDA is available, else `cpu`. The notebook explains the
-presets and their choices where it trains the translator ("Training the translator").
+`AT_PRESET`, else `cpu`, on a GPU too: no GPU has run `gpu` yet, so it is chosen by name
+(`AT_PRESET=gpu`); once a GPU run of it is recorded, the default is a one-line change. The
+notebook explains the presets and their choices where it trains the translator.
 """
 
+import dataclasses
 import os
 import typing
 from dataclasses import dataclass
@@ -112,19 +114,33 @@ GPU = Settings(
     lr_factor=0.23,  # peak 5.1e-4, the IWSLT'14 recipe's 5e-4
     schedule="linear",  # a run of known length ends at rate zero
     clip_norm=1.0,
-    precision="bf16",  # autocast's bf16 products: fast on recent GPUs
+    precision="bf16",  # autocast's bf16 products; get_settings keeps them where hardware has them
     average_last=5,  # as the paper averaged 5 checkpoints (§6.1)
 )
 PRESETS = {"smoke": SMOKE, "cpu": CPU, "gpu": GPU}
 
 
+def gpu_precision() -> str:
+    """bf16 where the GPU computes it in hardware (compute capability 8.0, Ampere, or newer),
+    else fp32. torch.cuda.is_bf16_supported() counts emulation too, and says yes on a T4
+    (7.5). A T4 has fp16 units, but fp16 training needs a loss scale (a GradScaler) in the
+    loop: a second path through it that no run has tried. fp32 keeps the loop that every
+    CPU run takes, at a T4's slower fp32 speed."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+        return "bf16"
+    return "fp32"
+
+
 def get_settings(name: str | None = None) -> Settings:
-    """Return the preset called `name`; None reads AT_PRESET, then picks gpu or cpu."""
+    """Return the preset called `name`; None reads AT_PRESET, else picks cpu (on a GPU too:
+    gpu has not run on one yet). The gpu preset's precision follows the GPU (gpu_precision)."""
     if name is None:
-        name = os.environ.get("AT_PRESET") or ("gpu" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get("AT_PRESET") or "cpu"
     if name not in PRESETS:
         raise ValueError(
             say("unknown preset {name!r}: set AT_PRESET to one of {presets}", name=name,
                 presets=", ".join(PRESETS))
         )  # fmt: skip
+    if name == "gpu":
+        return dataclasses.replace(GPU, precision=gpu_precision())
     return PRESETS[name]
