@@ -1578,7 +1578,7 @@ def greedy_decode(model, src, src_mask, max_output_len: int, *, ids: SpecialIds,
 #
 # A toy task isolates the machinery: the model sees random digits and must output them
 # unchanged. It uses every piece the translator will use: the model, the masks, the
-# loss, the schedule and `run_epoch`. A working Transformer learns it in a few hundred
+# loss, the optimizer and `run_epoch`. A working Transformer learns it in a few hundred
 # small steps; a bug in masks, shifting or the loss shows at once. Its ids:
 #
 # * padding 0, start 1, end 2;
@@ -1622,11 +1622,11 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 #
 # Each epoch draws 40 fresh batches of 64, so the model must learn the rule. Every 5
 # epochs it prints the loss on 4 unseen batches. A blind guess among the 13 ids would
-# score ln 13 ≈ 2.6; in the copy below, the loss is well below that at the end of
-# warm-up, and close to zero by the time every copy comes out right.
+# score ln 13 ≈ 2.6; in the copy below, the loss is well below that by the end of
+# warm-up.
 #
 # After every epoch, `until` tests the model; training stops once it passes, or after
-# `max_steps`. The test we pass is the proof itself: greedy decoding of held-out
+# `max_steps`. The test we hand in is the proof itself: greedy decoding of held-out
 # sequences, drawn from a seed of their own, must give back every one unchanged.
 # Decoding feeds the model its own outputs, as translation does, so one wrong digit
 # derails the rest.
@@ -1686,8 +1686,8 @@ def decodes_exactly(sources: Tensor, targets: Tensor, scorer=FullPrefix):
 
 
 # %% [markdown]
-# The proof: 100 held-out sequences. The step count it prints varies a little between
-# machines, as rounding does; the limit is over twice the most we measured. Re-run this
+# The proof: 100 held-out sequences. The step count it prints varies between machines,
+# as they round differently; the limit is over twice the most we measured. Re-run this
 # cell after any change to Parts 1 or 2: it catches in a few hundred small steps what
 # the Multi30k run would show only after its training.
 
@@ -1698,18 +1698,19 @@ def decodes_exactly(sources: Tensor, targets: Tensor, scorer=FullPrefix):
 # copied = greedy_decode(copy_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
 # print("a held-out source:", held_out.src[0].tolist())
 # print("the model's copy: ", copied[0].tolist())
-# print(f"every held-out sequence copied after {copy_steps} optimizer steps")
 # assert torch.equal(copied, held_out.src), (
 #     f"the copy model must reproduce every held-out sequence within {COPY_MAX_STEPS} steps"
 # )
+# print(f"every held-out sequence copied after {copy_steps} optimizer steps")
 
 
 # %% [markdown]
 # **Experiment: what the causal mask is for.** Train for 200 steps with a target mask
-# that hides only padding, so position $i$ sees the token it must predict. The training
-# loss collapses, since the model reads the answer, and greedy decoding fails, since at
-# inference the answer is not there. A wrong-shaped mask, or a padding mask where the
-# combined one belongs, causes this; the symptom is a training loss too good to be true.
+# that hides only padding, so position $i$ sees the token it must predict. The loss
+# collapses, on unseen batches too, since the model reads the answer, and greedy
+# decoding fails, since at inference the answer is not there. A wrong-shaped mask, or a
+# padding mask where the combined one belongs, causes this; the symptom is a training
+# loss too good to be true.
 #
 # Below, `without_causal_mask` keeps only the padding mask; the next cell trains on such
 # batches for 200 steps, then measures the loss and the share of 100 unseen sequences
@@ -1761,14 +1762,14 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # assert filled(prenorm_config).pre_norm, "ask ModelConfig for pre-norm sub-layers"
 # prenorm_model, prenorm_steps = train_copy_task(copies_held_out, config=prenorm_config)
 # assert isinstance(prenorm_model.encoder.final_norm, nn.LayerNorm), "pre-norm: a final LayerNorm"
-# assert copies_held_out(prenorm_model), f"pre-norm copied not all in {prenorm_steps} steps"
+# assert copies_held_out(prenorm_model), f"pre-norm missed some in {prenorm_steps} steps"
 # print(f"pre-norm copied every held-out sequence after {prenorm_steps} optimizer steps")
 
 # %% [markdown]
 # **3.2 Reverse instead of copy.** A task the model cannot solve by reading the source
 # in step: the target is the source's digits reversed, between the same `<s>` and
-# `</s>`. Write `reversed_words`; the check trains on `reverse_batch` and counts the
-# held-out sequences that come back reversed.
+# `</s>`. Write `reversed_words`; the check trains on `reverse_batch` until every
+# held-out sequence comes back reversed.
 #
 # The check first tries `reversed_words` on one row.
 
@@ -4215,10 +4216,10 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 #     decodes_exactly(held_out.src, held_out.src, CachedPrefix), config=copy_config,
 #     build=lambda src, tgt, c: modernise(make_model(src, tgt, c), c.h, c.d_ff),
 # )  # fmt: skip
-# print(f"today's block copied every held-out sequence after {modern_steps} optimizer steps")
 # copied = greedy_decode(modern_copy, held_out.src, held_out.src_mask, 12, ids=COPY_IDS,
 #                        scorer=CachedPrefix)  # fmt: skip
 # assert torch.equal(copied, held_out.src), "today's block must copy every held-out sequence"
+# print(f"today's block copied every held-out sequence after {modern_steps} optimizer steps")
 
 # %% [markdown]
 # ### The same budget, on Multi30k
