@@ -2,6 +2,8 @@
 runs here. A GPU gets the cpu preset unless AT_PRESET=gpu asks for the untried one, and
 that preset's products are bf16 only where the GPU computes bf16 in hardware."""
 
+import dataclasses
+
 import nbformat
 import pytest
 import torch
@@ -42,7 +44,7 @@ def test_the_gpu_presets_precision_follows_the_hardware(a_gpu, capability, preci
     a_gpu["now"] = capability  # 7.5: a T4; 8.0: an A100; 9.0: an H100
     settings = presets.get_settings("gpu")
     assert settings.precision == precision
-    assert settings == presets.GPU.__class__(**{**vars(presets.GPU), "precision": precision})
+    assert settings == dataclasses.replace(presets.GPU, precision=precision)  # nothing else
 
 
 def test_without_cuda_the_gpu_preset_is_fp32(monkeypatch):
