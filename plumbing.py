@@ -287,7 +287,7 @@ def read_code(value, home: str) -> tuple[str, list[tuple[str, dict]]]:
     """A definition's code, and the names it uses, each with where to look it up.
 
     A function counts by its syntax tree, decorators and default arguments included; a name
-    is looked up in its module, and in the project's modules it names (`trainer.start`). A
+    is looked up in its module, and in the project's modules it names (`trainer.save_last`). A
     class of the lesson counts by its bases, its dataclass fields and its members, so a
     method assigned in a later cell counts; the methods that @dataclass writes count by
     those fields. A class of a project file counts by its text in the file."""
@@ -497,7 +497,8 @@ def prepare_cpu_memory() -> bool:
       mmap and trim thresholds to 256 MiB keeps such blocks for reuse: 4,712 target
       tokens/s against 3,743 over 50 batches. In float32, the cpu preset's precision, 60
       batches ran at 4,647 and 4,690 target tokens/s against 3,851 and 4,184 without it
-      (a 2-core Zen 4 EPYC, two runs each). Where the C library is not glibc (macOS,
+      (a 2-core Zen 4 EPYC, two runs each, timed by hand and kept in no record: a rough
+      guide). Where the C library is not glibc (macOS,
       Windows, musl) this part does nothing, and the function returns False.
     * bf16 products run through oneDNN, which caches a kernel for every matrix shape
       it meets, up to 1,024 of them, and batches of many sizes fill that cache. Capping

@@ -331,7 +331,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "cuda:1"), (4, 2, "cuda:1"), (8, 8, "cuda:1")],
 )
 def test_a_process_takes_a_gpu_of_its_own_or_the_cpu(monkeypatch, gpus, processes_here, expected):
-    """Part 10 asks for two processes: on a machine with one GPU, rank 1 would ask for
+    """Appendix C asks for two processes: on a machine with one GPU, rank 1 would ask for
     cuda:1, which is not there, so both train on the CPU instead. What counts is this
     machine's processes (torchrun's LOCAL_WORLD_SIZE), not the job's on every machine."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)

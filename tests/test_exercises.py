@@ -30,7 +30,7 @@ PARTS = {
     "## Part 5: translating and scoring": 1,
     "## Part 7: the trained translator": 1,
     "## Part 8: looking inside, attention heatmaps": 2,
-    "## Part 11: eight years on": 1,
+    "## Appendix D: nine years on": 1,
 }
 
 

@@ -1,4 +1,4 @@
-"""Part 11: each of today's parts computes what its paper defines, and today's model
+"""Appendix D: each of today's parts computes what its paper defines, and today's model
 decodes, keeps its parameter budget, and names a run folder of its own."""
 
 import dataclasses
@@ -116,6 +116,15 @@ def test_modernise_refuses_a_post_norm_model_in_one_line():
     post_norm = at.make_model(11, 11, at.ModelConfig(N=1, d_model=16, d_ff=32, h=2))
     with pytest.raises(ValueError, match="pre_norm=True"):
         at.modernise(post_norm, 2, 32)
+
+
+def test_modernise_keeps_the_attention_dropout_it_replaces():
+    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, pre_norm=True, attention_dropout=0.25)
+    model = at.modernise(at.make_model(11, 11, config), 2, 32)
+    turned = [layer.self_attn for layer in (*model.encoder.layers, *model.decoder.layers)]
+    assert all(isinstance(block, at.RotaryAttention) for block in turned)
+    assert [block.dropout.p for block in turned] == [0.25, 0.25]
+    assert model.decoder.layers[0].cross_attn.dropout.p == 0.25  # left as it was
 
 
 def vocabularies(de: int, en: int) -> dict:

@@ -128,50 +128,20 @@ def test_colab_cell_installs_only_what_is_missing_and_keeps_torch_numpy_pandas(m
     assert f"torch=={torch.__version__}" in keep
 
 
-def published(source: str) -> str:
-    """The Colab cell as it will read once the project has a public address."""
-    return source.replace("github.com/OWNER/", "github.com/someone/")
-
-
-def on_colab_alone(monkeypatch, tmp_path) -> list:
-    """Pretend to be Colab with the notebook opened alone in tmp_path; return git's calls."""
+def test_colab_cell_says_in_one_line_what_to_upload_when_the_notebook_came_alone(
+    monkeypatch, tmp_path
+):
+    """Uploaded alone to Colab, the notebook has no plumbing.py beside it: the cell stops
+    before installing anything, in one line that names the files to upload."""
     calls = []
-
-    def run(args, **_):
-        calls.append(args)
-        if args[:2] == ["git", "clone"]:
-            (Path(args[-1]) / "plumbing.py").parent.mkdir()
-        return subprocess.CompletedProcess(args, 0, "", "")
-
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", lambda args, **_: calls.append(args))
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
-    return calls
-
-
-def test_colab_cell_fetches_the_project_when_the_notebook_came_alone(monkeypatch, tmp_path):
-    """Opened alone on Colab, the notebook has no plumbing.py or .py twin beside it: the
-    cell clones the project and works inside it; run again after a restart of the
-    session (a fresh process, back in the first folder), it does not clone twice."""
-    calls = on_colab_alone(monkeypatch, tmp_path)
-    namespace = {"__name__": "__main__"}
-    exec(published(colab_cell_source()), namespace)
-    clone = [c for c in calls if c[:2] == ["git", "clone"]]
-    assert clone == [["git", "clone", "-q", "--depth", "1", namespace["REPO_URL"], "project"]]
-    assert Path.cwd() == tmp_path / "project" and sys.path[0] == str(tmp_path / "project")
-    monkeypatch.chdir(tmp_path)  # the restarted session starts where the first one did
-    exec(published(colab_cell_source()), {"__name__": "__main__"})
-    assert [c for c in calls if c[:2] == ["git", "clone"]] == clone
-    assert Path.cwd() == tmp_path / "project"
-
-
-def test_colab_cell_says_in_one_line_that_the_project_has_no_address_yet(monkeypatch, tmp_path):
-    calls = on_colab_alone(monkeypatch, tmp_path)
     with pytest.raises(SystemExit) as stop:
         exec(colab_cell_source(), {"__name__": "__main__"})
-    assert "no public address yet" in str(stop.value) and "\n" not in str(stop.value)
-    assert [c for c in calls if c[:2] == ["git", "clone"]] == []
+    message = str(stop.value)
+    assert "upload presets.py, plumbing.py" in message and "\n" not in message
+    assert calls == []
 
 
 def third_party_imports() -> set[str]:

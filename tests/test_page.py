@@ -88,7 +88,7 @@ def assert_self_contained(text: str) -> None:
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
-    assert charts == len(export_html.chart_specs(notebook)) == 11
+    assert charts == len(export_html.chart_specs(notebook)) == 10
     assert_self_contained(text)
     assert '<html lang="en">' in text
 
@@ -136,7 +136,7 @@ def test_the_chinese_page_is_self_contained_and_says_its_language(page, zh_page)
 
 def explorer_numbers(notebook) -> list[int]:
     """The numbers of the attention explorers among the page's charts (Part 8's, not the last
-    charts since Part 11 draws one more)."""
+    charts, since Appendix B draws one after them)."""
     specs = export_html.chart_specs(notebook)
     return [i for i, spec in enumerate(specs) if spec in explorers(notebook)]
 

@@ -250,3 +250,41 @@ def test_a_benchmark_that_skipped_decoding_says_so():
     assert "the decoding times below come from the `make run` records" in text
     decoded = skipped[0] | {"bench": skipped[0]["bench"] | {"decoding": {"sentences": 1000}}}
     assert "It measured no decoding" not in records.bench_section([decoded])
+
+
+def test_the_blocks_sentences_hold_against_their_record():
+    """Appendix D's comparison of the two blocks (its numbers, rounded as it
+    prints them) against results/blocks-cpu-epyc-zen4.json, where its charts used to be."""
+    (blocks,) = [r for r in records.load_records() if r["file"] == "blocks-cpu-epyc-zen4.json"]
+    runs = {(r["block"], r["seed"]): r for r in blocks["runs"]}
+    seeds = sorted({seed for _, seed in runs})
+
+    def gaps(key: str, epoch: int) -> list[float]:  # the paper's minus today's, seed by seed
+        return [runs["2017", s][key][epoch] - runs["modern", s][key][epoch] for s in seeds]
+
+    epochs = len(runs["2017", seeds[0]]["val_loss_per_epoch"])
+    assert all(min(gaps("val_loss_per_epoch", e)) > 0 for e in range(epochs))  # every epoch
+    assert [round(g, 2) for g in sorted(gaps("val_loss_per_epoch", 2))] == [0.11, 0.13]
+    assert [round(g, 2) for g in gaps("val_loss_per_epoch", -1)] == [0.05, 0.05]
+    assert sorted(round(-g) for g in gaps("val_bleu_greedy_per_epoch", 2)) == [3, 5]
+
+    def mean(block: str, key: str) -> float:
+        return round(sum(runs[block, s][key] for s in seeds) / len(seeds), 1)
+
+    assert [mean("modern", "test2016_bleu_greedy"), mean("modern", "test2016_bleu_beam")] == [
+        38.7, 39.9]  # fmt: skip
+    assert [mean("2017", "test2016_bleu_greedy"), mean("2017", "test2016_bleu_beam")] == [
+        38.4,
+        39.4,
+    ]
+    assert blocks["speed"]["relative"]["modern"] == 1.07  # "7% longer"
+    notebook = (ROOT / "annotated_transformer.py").read_text(encoding="utf-8")
+    prose = " ".join(notebook.replace("# ", " ").split())
+    claims = [
+        "by 0.11 and 0.13 after three epochs (seeds 43 and 42)",
+        "by 3 and 5 points",
+        "0.05 at the end",
+        "38.7 greedy and 39.9 beam, the paper's 38.4 and 39.4",
+        "take 7% longer",
+    ]
+    assert [claim for claim in claims if claim not in prose] == []

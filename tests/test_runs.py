@@ -93,11 +93,11 @@ DDP = ("train", "DDPProcesses")  # what DDP's workers train with (tools/train_dd
 @pytest.mark.parametrize(
     "old, new, roots",
     [
-        # Part 10: shares the batches out in another order
+        # Appendix C: shares the batches out in another order
         ("    return divisible_batches(batches, world_size)[rank::world_size]\n",
          "    return list(reversed(divisible_batches(batches, world_size)))[rank::world_size]\n",
          DDP),
-        # Part 10's epoch: its loop, one line
+        # Appendix C's epoch: its loop, one line
         ("    device = batches[0].src.device\n", "    device = batches[-1].src.device\n", DDP),
         # the label smoothing that training uses
         ("class FastLabelSmoothing(LabelSmoothing):",
@@ -313,7 +313,7 @@ def test_an_epoch_on_a_cpu_reports_no_gpu(quick_data, tmp_path, capsys):
 
 
 def test_an_edit_that_ddp_workers_cannot_see_is_named(monkeypatch):
-    """DDP's workers import the .py twin: Part 10's cell names the notebook's edits they
+    """DDP's workers import the .py twin: Appendix C's cell names the notebook's edits they
     will not train with, instead of looking for their run in the wrong folder."""
     from tools.train_ddp import not_in_twin
 

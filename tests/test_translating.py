@@ -55,17 +55,24 @@ def test_heatmap_translation_leaves_the_model_where_it_is(monkeypatch):
     assert torch.allclose(cross.sum(-1), torch.ones(2, len(tgt_tokens) - 1))
 
 
-def test_heatmap_weights_are_the_models_own_and_nothing_stays_behind():
-    """The hooks recompute what each block computes (its output is the weights times its
-    values), and come off afterwards: the model keeps no weights and no hook."""
+@pytest.mark.parametrize("block_kind", ["paper", "rotary"])
+def test_heatmap_weights_are_the_models_own_and_nothing_stays_behind(block_kind):
+    """The hooks catch what each block computes (its output is the weights times its
+    values), rotary attention's turned scores included, and come off afterwards: the model
+    keeps no weights and no hook."""
     data = tiny_data()
     at.set_seed(0)
-    model = at.model_for(at.Settings(name="t", N=2, d_model=16, d_ff=32, h=2), data.vocabs)
+    settings = at.Settings(name="t", N=2, d_model=16, d_ff=32, h=2, pre_norm=True)
+    model = at.model_for(settings, data.vocabs)
+    if block_kind == "rotary":
+        model = at.modernise(model, settings.h, settings.d_ff)
     model = model.double()  # float64: the two computations agree far below 1e-10
     src, tgt = torch.tensor(data.val[0][0]), torch.tensor(data.val[0][1])
     maps = at.attention_maps(model, src, tgt, data.vocabs["en"].pad_id)
     blocks = [m for m in model.modules() if isinstance(m, at.MultiHeadAttention)]
-    assert all(not b._forward_pre_hooks for b in blocks) and len(blocks) == 2 + 2 * 2
+    assert all(not b.dropout._forward_hooks for b in blocks) and len(blocks) == 2 + 2 * 2
+    assert isinstance(model.encoder.layers[0].self_attn, at.RotaryAttention) == (
+        block_kind == "rotary")  # fmt: skip
     assert [len(maps[kind]) for kind in maps] == [2, 2, 2]
     layer = model.encoder.layers[0]
     x = model.src_embed(src.unsqueeze(0))  # what the first layer's sub-layer normalises

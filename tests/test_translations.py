@@ -172,30 +172,16 @@ def test_the_chinese_notebook_takes_an_english_runs_outputs_by_cell_id(tmp_path)
 
 
 def test_an_empty_catalogue_builds_the_english_notebook_byte_for_byte(tmp_path):
-    """All but the Colab badge's link, which opens the Chinese notebook (the next test), and
-    the language the modules' messages take."""
+    """All but the language the modules' messages take."""
     tr.make_pot(tr.load(tr.ENGLISH)).save(str(tmp_path / "empty.po"))
     english = tr.load(tr.ENGLISH)
     built = json.loads(tr.build_text(tr.ENGLISH, tmp_path / "empty.po"))
     pairs = list(zip(english["cells"], built["cells"], strict=True))
     (language,) = [i for i, (en, _) in enumerate(pairs) if tr.LANGUAGE[0] in tr.cell_source(en)]
-    assert [i for i, (en, zh) in enumerate(pairs) if en != zh] == [0, language]
+    assert [i for i, (en, zh) in enumerate(pairs) if en != zh] == [language]
     en, zh = pairs[language]
     assert tr.cell_source(zh) == tr.cell_source(en).replace(*tr.LANGUAGE)
-    badge = english["cells"][0]
-    assert built["cells"][0] == {
-        **badge,
-        "source": tr.source_lines(tr.COLAB.sub(r"\1" + tr.CHINESE.name, tr.cell_source(badge))),
-    }
     assert tr.dump(english) == tr.ENGLISH.read_text(encoding="utf-8")  # the file's own format
-
-
-def test_the_colab_badge_opens_the_notebook_it_sits_in():
-    """The English badge opens the English notebook; the Chinese badge, the Chinese one."""
-    for path, name in [(tr.ENGLISH, "annotated_transformer.ipynb"), (tr.CHINESE, tr.CHINESE.name)]:
-        text = markdown(tr.load(path))
-        urls = re.findall(r"https://colab\.research\.google\.com/github/\S+\.ipynb", text)
-        assert urls and all(url.endswith("/blob/main/" + name) for url in urls), (path, urls)
 
 
 def test_each_block_of_a_translated_notebook_is_its_translation(fully_translated):
@@ -324,10 +310,11 @@ def test_the_contents_link_texts_are_the_headings_they_point_to():
                 *re.findall(r'<a id="([^"]+)"></a>', block.msgid),
             ]:
                 headings[target] = name
-    assert len(links) == 13  # Prelims, Background and the eleven parts
+    assert len(links) == 15  # Prelims, Background, the nine parts and four appendices
     differ = []
     for label, target in links:
         heading = re.sub(r"^第 \d+ 部分：", "", headings[target])
+        heading = re.sub(r"^附录 ([A-Z])：", r"\1. ", heading)  # the contents letter them
         heading = re.sub(r"（[A-Za-z][^（）\u4e00-\u9fff]*）", "", heading)  # an English gloss
         if label != heading:
             differ.append((label, headings[target]))

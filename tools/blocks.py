@@ -1,10 +1,12 @@
-"""Train the `cpu` preset with the paper's block or today's (Part 11) and score it.
+"""Train the `cpu` preset with the paper's block or today's (Appendix D) and score it.
 
     .venv/bin/python tools/blocks.py --block modern --seed 42
     .venv/bin/python tools/blocks.py --block 2017 --seed 43
     .venv/bin/python tools/blocks.py --speed
 
-Each run trains with the notebook's own loop (`train`, from its `.py` twin; `--block
+Both blocks are pre-norm, as today's must be: `--preset smoke` or `gpu`, which are
+post-norm, are made pre-norm for both, so that the blocks differ only in the three new
+parts. Each run trains with the notebook's own loop (`train`, from its `.py` twin; `--block
 modern` hands it `modern_model_for`) into data/blocks/checkpoints/ (a finished run there is
 loaded, not trained again), then appends one JSON line to build/blocks.jsonl: parameters,
 loss and greedy validation BLEU per epoch, the seconds of each epoch's training, and
@@ -74,9 +76,12 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.speed or args.block):
         parser.error("say which: --block 2017, --block modern, or --speed")
+    # both blocks pre-norm, as today's must be: for the cpu preset this changes nothing,
+    # and for the post-norm ones it keeps the comparison to the three new parts
     settings = dataclasses.replace(
-        at.get_settings(args.preset), name=f"{args.preset}-{args.block or 'speed'}", seed=args.seed
-    )
+        at.get_settings(args.preset), name=f"{args.preset}-{args.block or 'speed'}",
+        seed=args.seed, pre_norm=True,
+    )  # fmt: skip
     build = at.modern_model_for if args.block == "modern" else at.model_for
     prepare_cpu_memory()  # as the notebook does before training (plumbing.py says why)
     data = at.prepare_data(settings, at.DATA_DIR)

@@ -277,10 +277,11 @@ def summary_of(r: dict) -> str:
     )
 
 
-def per_epoch_table(rows: list[tuple[str, list[float]]]) -> str:
-    """Validation BLEU after each epoch, one row per run; epochs counted from 0."""
+def per_epoch_table(rows: list[tuple[str, list[float]]], digits: int = 1) -> str:
+    """A figure after each epoch (validation BLEU unless told), one row per run; epochs
+    counted from 0."""
     width = max(len(history) for _, history in rows)
-    body = [[name] + [f"{b:.1f}" for b in h] + [""] * (width - len(h)) for name, h in rows]
+    body = [[name] + [f"{b:.{digits}f}" for b in h] + [""] * (width - len(h)) for name, h in rows]
     return table(["run"] + [str(i) for i in range(width)], body)
 
 
@@ -597,7 +598,7 @@ def bench_section(records: list[dict]) -> str:
 
 
 def blocks_section(record: dict) -> str:
-    """Part 11's comparison: the paper's block and today's, the same preset and seeds."""
+    """Appendix D's comparison: the paper's block and today's, the same preset and seeds."""
     runs = record["runs"]
     head = ["run", "block", "seed", "parameters", "val BLEU after epoch 0", "last epoch",
             "val loss, last epoch", "test2016 greedy", "test2016 beam", "s an epoch"]  # fmt: skip
@@ -619,7 +620,8 @@ def blocks_section(record: dict) -> str:
     parts = [
         "## Today's block beside the paper's",
         "",
-        f"{link(record)}: the notebook's Part 11 draws its chart and table from it. "
+        f"{link(record)}: the notebook's Appendix D states what it shows, and "
+        "tests/test_records.py checks those sentences against it. "
         f"{sentence(record['source'])} Made {record['made']} on a {record['machine']['short']}, "
         f"with `{record['command']}`.",
         "",
@@ -629,6 +631,12 @@ def blocks_section(record: dict) -> str:
         "",
         per_epoch_table(
             [(f"{r['block']}, seed {r['seed']}", r["val_bleu_greedy_per_epoch"]) for r in runs]
+        ),
+        "",
+        "Validation loss after each epoch:",
+        "",
+        per_epoch_table(
+            [(f"{r['block']}, seed {r['seed']}", r["val_loss_per_epoch"]) for r in runs], digits=3
         ),
     ]
     if record.get("speed"):

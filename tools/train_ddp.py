@@ -1,8 +1,8 @@
 """Training on several processes with DDP: the notebook's `train`, one process per rank.
 
 A new process cannot see the notebook, so every rank imports its `.py` twin and runs the
-twin's `train` with Part 10's `DDPProcesses`. This module sits above the lesson and the
-trainer (trainer.py never imports the lesson). Part 10 of the notebook calls
+twin's `train` with Appendix C's `DDPProcesses`. This module sits above the lesson and the
+trainer (trainer.py never imports the lesson). Appendix C of the notebook calls
 `train_distributed`; torchrun calls this file:
 
     AT_PRESET=gpu torchrun --standalone --nproc-per-node=8 tools/train_ddp.py
@@ -24,7 +24,7 @@ import annotated_transformer as twin  # noqa: E402
 import plumbing  # noqa: E402
 from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  # noqa: E402
 
-# What a DDP run trains with: the loop, and Part 10's processes that it is given.
+# What a DDP run trains with: the loop, and Appendix C's processes that it is given.
 ROOTS = ("train", "DDPProcesses")
 
 

@@ -73,8 +73,6 @@ FIX = (
 )
 PARSER = MarkdownIt("commonmark").enable("table").use(dollarmath_plugin)
 LINK_TARGET = re.compile(r"\]\(#([^)\s]+)\)|^ {0,3}\[[^\]]+\]:\s*#(\S+)", re.MULTILINE)
-# A Colab URL that opens the English notebook: in the Chinese one, it opens the Chinese one.
-COLAB = re.compile(r"(https://colab\.research\.google\.com/\S*/)" + re.escape(ENGLISH.name))
 
 
 @dataclass
@@ -429,7 +427,6 @@ def build_text(english: Path = ENGLISH, catalogue: Path = CATALOGUE) -> str:
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             text = translate_cell(cell_source(cell), chinese, cell["id"], targets)
-            text = COLAB.sub(lambda m: m.group(1) + CHINESE.name, text)
             cell["source"] = source_lines(text)
         elif cell["cell_type"] == "code":
             text = translate_code(cell_source(cell), chinese, cell["id"]).replace(*LANGUAGE)
