@@ -17,11 +17,11 @@
 # # The Annotated Transformer, rebuilt
 #
 # This notebook builds the model of *Attention Is All You Need* (Vaswani et al., 2017)
-# one cell at a time, then teaches it to translate German into English: in minutes on a
-# laptop, or as the paper's base model on a GPU. The paper's words, in quotation marks,
-# and its formulas stand right above the code that computes them. Each piece
-# is followed by a small example that asserts what it shows, so running the notebook
-# also tests it.
+# one cell at a time, then teaches it to translate German into English: in under half
+# an hour on a laptop's CPU, or as the paper's base model on a GPU. The paper's words,
+# in quotation marks, and its formulas stand right above the code that computes them.
+# Each piece is followed by a small example that asserts what it shows, so running the
+# notebook also tests it.
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
 # On Google Colab only: install what Colab lacks, and stop in one line if the project's
@@ -191,7 +191,8 @@ def set_seed(seed: int) -> None:
 # how well its key matches the query, with weights that sum to 1. A query near a key puts
 # most weight on it, the answer blends the values, and a small change to the query
 # changes the answer a little, so training can learn what to ask. Below, three words are
-# keys, each a vector, and the query "puppy" is none of them:
+# keys, each a vector, and the query "puppy" is none of them. The 4 sharpens the
+# softmax; Part 1 meets such a scale again, as $1 / \sqrt{d_k}$.
 
 # %% active="ipynb"
 # lookup = {"dog": 1.0, "cat": 2.0, "car": 3.0}
@@ -336,12 +337,10 @@ class PositionalEncoding(nn.Module):
 # > the weight assigned to each value is computed by a compatibility function of the
 # > query with the corresponding key."
 #
-# **Queries, keys and values.** Think of a dictionary whose lookups are soft. Each
-# position sends a *query*: what it is looking for. Each position offers a *key*, a label
-# to be matched against queries, and a *value*, what it hands over. A query is compared
-# with every key by a dot product. A real dictionary returns the one value whose key
-# equals the query; attention returns a blend of all of them, weighted by the softmax of
-# the matches:
+# **Queries, keys and values.** This is the Background's soft lookup, for every position
+# at once. Each position sends a *query*, what it is looking for, and offers a *key*, to
+# be matched against queries, and a *value*, what it hands over. A query is compared with
+# every key by a dot product, and the softmax of the matches weights the values:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\left(\frac{QK^T}{\sqrt{d_k}}\right)V$$
 #
@@ -525,8 +524,8 @@ def copy_into_pytorch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -
 # usually shorter than the vectors are wide (about 15 tokens here, against 512 numbers),
 # so by this count it is also the cheapest layer. The count leaves out attention's own
 # projections of queries, keys, values and output, $4 \cdot n \cdot d^2$, about 140 times
-# the scores here: counted, attention costs more than a recurrent layer at these sizes,
-# and what it wins is the next two columns. And a signal that must pass many steps fades.
+# the scores at $n = 15$ and $d = 512$. Counted, attention is no longer the cheapest;
+# what it wins is the next two columns. And a signal that must pass many steps fades.
 
 # %% [markdown]
 # ### Position-wise feed-forward network (§3.3)
@@ -1354,8 +1353,7 @@ def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
 #    far (the paper does not mention clipping);
 # 2. it steps the optimizer and clears the gradients;
 # 3. it advances the schedule, which counts the optimizer steps. PyTorch names that count
-#    `schedule.last_epoch`, though we advance it once per step, not per epoch (Appendix C's
-#    $W$ processes advance it $W$ times a step).
+#    `schedule.last_epoch`, though we advance it once per step, not per epoch.
 #
 # In the loop, micro-batch $i$ belongs to step $\lfloor i / accum \rfloor$, so its loss is
 # divided by `step_tokens[i // accum_iter]`, and the optimizer steps on a group's last
@@ -1833,11 +1831,14 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # %% [markdown]
 # ## Part 4: a real task, German to English on Multi30k
 #
+# *A good place to pause: Parts 1 to 3 built the model and proved it on a toy task. The
+# second sitting makes it a translator.*
+#
 # Multi30k (Elliott et al., 2016) pairs about 31,000 English image captions with German
-# translations. Its short sentences make it learnable on a laptop in minutes. The paper
-# trained on WMT 2014's 4.5 million English-German sentence pairs; Multi30k is over a
-# hundred times smaller, and all its sentences describe pictures, so a small vocabulary
-# covers most of them.
+# translations. Its short sentences make it learnable on a laptop in under half an hour.
+# The paper trained on WMT 2014's 4.5 million English-German sentence pairs; Multi30k is
+# over a hundred times smaller, and all its sentences describe pictures, so a small
+# vocabulary covers most of them.
 #
 # Task 1 of the corpus splits it three ways:
 #
@@ -3417,9 +3418,9 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 # To see them, for one German sentence, we:
 #
 # 1. translate it greedily;
-# 2. run the pair through the model again with a *hook* on every attention block;
-#    a hook is a function PyTorch calls with a module's inputs before it runs;
-# 3. recompute in each hook, from those inputs, the weights of its block.
+# 2. run the pair through the model again with a *hook*, a function that PyTorch calls
+#    when a module runs, on every attention block's dropout. The weights pass through
+#    it, unchanged in evaluation, so the hook sees exactly what the block used.
 #
 # Change `ATTENTION_SENTENCE` to try others (the smoke model is too small for clear
 # patterns; the cpu preset shows them):
@@ -3433,10 +3434,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 #
 # For each kind of attention we get one tensor per layer, (h, T_q, T_k). Rows are what a
 # word looks from, columns what it looks at: a bright cell off the diagonal is a word
-# that borrows from a distant one. A *hook*, a function that PyTorch calls when a module
-# runs, catches the weights on their way through each block's dropout, which in
-# evaluation lets them pass unchanged; so the maps are the weights the block used, even
-# for a block whose `attend` turns its queries first (Appendix D).
+# that borrows from a distant one.
 
 
 # %%
@@ -3595,8 +3593,8 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # %% [markdown]
 # **Encoder-decoder attention.** Each English position (rows) chooses which German words
 # (columns) to read while predicting the next word. German and English captions mostly
-# share word order, so in a trained model some last-layer heads (the chart shows the
-# last layer first) trace a rough diagonal, an alignment nobody taught; where the
+# share word order, so in a trained model some last-layer heads (the layer menu starts
+# at the last layer) trace a rough diagonal, an alignment nobody taught; where the
 # order differs (a verb at a clause's end), the bright cell jumps off it. Row $i$
 # *predicts* token $i + 1$: the `<s>` row chooses the first English word.
 
@@ -3681,7 +3679,9 @@ def show_attention(kind: str, maps: dict, axes: dict) -> None:
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
 # A word vocabulary cannot write a word it has not kept, which caps BLEU; the cell below
-# counts such test2016 reference tokens.
+# counts such test2016 reference tokens. That ends the lesson. The appendices go further,
+# each on its own: sub-words, how the cpu preset was chosen, several GPUs, and the block
+# that today's language models use.
 
 # %% active="ipynb"
 # references = english_tokens([en for _, en in data.test_text])
@@ -4306,7 +4306,7 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 # and 5 points of validation BLEU, and by 0.05 at the end. The BLEU lead shrinks as both settle: on
 # test2016, today's block scores 38.7 greedy and 39.9 beam, the paper's 38.4 and 39.4
 # (means of two seeds). Both gaps are under the point that a second seed alone can move
-# BLEU (Part 6): ties. The comparison is fair in parameters and steps, but not in all:
+# BLEU (Appendix B): ties. The comparison is fair in parameters and steps, but not in all:
 #
 # * the settings were tuned on the paper's block, and "the paper's block" is the cpu
 #   preset's, pre-norm;

@@ -11,6 +11,7 @@ run every test. Only a skip for a missing GPU stays a skip there.
 
 import dataclasses
 import functools
+import linecache
 import os
 import re
 import sys
@@ -24,6 +25,31 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import plumbing  # noqa: E402
+
+
+def run_cell(source: str, namespace: dict, filename: str, monkeypatch=None) -> dict:
+    """Run `source` into `namespace` as a kernel runs a cell: with its text in linecache,
+    where inspect (and so the run's folder) finds it; given `monkeypatch`, the entry goes
+    again after the test."""
+    entry = (len(source), None, source.splitlines(keepends=True), filename)
+    if monkeypatch is None:
+        linecache.cache[filename] = entry
+    else:
+        monkeypatch.setitem(linecache.cache, filename, entry)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture
+def float64():
+    """Seed 0, and float64 for every tensor and module a test makes: two computations of
+    one function then agree within about 1e-13, far under the 1e-10 that tests allow."""
+    torch.manual_seed(0)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(dtype)
+
 
 SPLITS = ("train", "val", "test_2016_flickr")  # the three that the notebook reads
 # A skip that CI keeps: no CUDA device is a fact of a CPU machine, not a broken set-up.

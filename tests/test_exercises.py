@@ -9,12 +9,11 @@ exercise needs them, since an untouched starter stops its check at once.
 """
 
 import ast
-import linecache
 import re
 
 import nbformat
 import pytest
-from conftest import ROOT, run_smoke_notebook
+from conftest import ROOT, run_cell, run_smoke_notebook
 
 import annotated_transformer as at
 
@@ -150,14 +149,6 @@ def test_only_the_checks_fail_without_the_solutions(without_solutions):
     assert failed == [], "these cells need a solution, or failed for another reason"
 
 
-def run_cell(source: str, namespace: dict, name: str) -> None:
-    """Run a cell's source as a kernel does, with its text where inspect finds it."""
-    filename = f"<cell {name}>"
-    lines = source.splitlines(keepends=True)
-    linecache.cache[filename] = (len(source), None, lines, filename)
-    exec(compile(source, filename, "exec"), namespace)
-
-
 def test_our_answer_fills_an_empty_gap_and_never_replaces_a_filled_one():
     """Shift-Enter down the page is safe: after a starter whose gap (✎) is filled, the
     folded answer leaves the student's own answer in place for the check; after an
@@ -170,10 +161,12 @@ def test_our_answer_fills_an_empty_gap_and_never_replaces_a_filled_one():
         (name,) = re.findall(r'gap_is_empty\("(\w+)"\)', solution.source)
         for gap in ("...", "None"):  # untouched, then filled in (with a wrong answer)
             namespace = dict(vars(at))
-            run_cell(helpers, namespace, "helpers")
-            run_cell(starter.source.replace("...  # ✎", f"{gap}  # ✎"), namespace, f"s{number}")
+            run_cell(helpers, namespace, "<cell helpers>")
+            run_cell(
+                starter.source.replace("...  # ✎", f"{gap}  # ✎"), namespace, f"<cell s{number}>"
+            )
             mine = namespace[name]
-            run_cell(solution.source, namespace, f"answer {number}")
+            run_cell(solution.source, namespace, f"<cell answer {number}>")
             if gap == "...":
                 assert namespace[name] is not mine and namespace[name] is not ..., name
             else:

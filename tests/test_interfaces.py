@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 import annotated_transformer as at
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(

@@ -21,14 +21,7 @@ import bench  # its FusedAttention: the lesson's block on PyTorch's fused kernel
 ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    """Seed 0, and float64 for every tensor and module a test makes."""
-    torch.manual_seed(0)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(dtype)
+pytestmark = pytest.mark.usefixtures("float64")  # seed 0 and float64 (conftest.py)
 
 
 def lengths_to_mask(lengths, size):

@@ -12,16 +12,7 @@ import annotated_transformer as at
 import plumbing
 from plumbing import code_reached
 
-
-@pytest.fixture(autouse=True)
-def seed():
-    """Seed 0, and float64 for every tensor and module a test makes: two computations of
-    one function then agree within about 1e-13, far under the 1e-10 that tests allow."""
-    torch.manual_seed(0)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(dtype)
+pytestmark = pytest.mark.usefixtures("float64")  # seed 0 and float64 (conftest.py)
 
 
 def test_rms_norm_is_layer_norm_without_the_mean_and_matches_its_formula():

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 ENGLISH = ROOT / "README.md"
 CHINESE = ROOT / "README.zh-CN.md"
 

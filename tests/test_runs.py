@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU, ROOT, quick_settings, same_weights, train_as_the_notebook
+from conftest import CPU, ROOT, quick_settings, run_cell, same_weights, train_as_the_notebook
 
 import annotated_transformer as at
 import plumbing
@@ -22,15 +22,6 @@ from plumbing import CheckpointError, read_checkpoint
 
 SETTINGS = quick_settings()
 SOURCE = (ROOT / "annotated_transformer.py").read_text(encoding="utf-8")
-
-
-def run_cell(source: str, namespace: dict, filename: str, monkeypatch) -> dict:
-    """Run `source` into `namespace` as a kernel runs a cell: with its text in linecache,
-    where inspect (and so the run's folder) finds it."""
-    lines = source.splitlines(keepends=True)
-    monkeypatch.setitem(linecache.cache, filename, (len(source), None, lines, filename))
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
 
 
 def lesson_copy(monkeypatch, source: str = SOURCE) -> dict:
