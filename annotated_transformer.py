@@ -225,8 +225,9 @@ def set_seed(seed: int) -> None:
 #
 # Why the scaling? The paper does not say. Its reference code, tensor2tensor, drew
 # embeddings with a standard deviation of $d_{\text{model}}^{-1/2}$, so the scaling
-# brought them to about 1, near the positions' 0.71. `make_model` draws ours the
-# same way; exercise 1.2 measures what the scaling does.
+# brought them to about 1, near the size of the positional encoding added to them (a
+# sine and a cosine have a root-mean-square of $1/\sqrt{2} \approx 0.71$). `make_model`
+# draws ours the same way; exercise 1.2 measures what the scaling does.
 
 
 # %%
@@ -467,7 +468,7 @@ class MultiHeadAttention(nn.Module):
 # **A proof you can see.** PyTorch's `nn.MultiheadAttention`, given our weights, must
 # give the same outputs, here with a padding mask. Checks like this one compute in
 # float64, whose rounding (about $10^{-16}$) lies far below their tolerance of
-# $10^{-10}$: a pass is no accident of rounding, and a bug cannot hide in it.
+# $10^{-10}$: a pass is no accident of rounding, and a failure is a real difference.
 
 
 # %%
@@ -1008,8 +1009,9 @@ def count_parameters(model: nn.Module) -> int:
 # %% [markdown]
 # ### Batches and masks (§3.2.3)
 #
-# The decoder is trained with *teacher forcing*: its input is the target shifted right
-# (starting with `<s>`), and it predicts the target shifted left (ending with `</s>`).
+# The decoder is trained with *teacher forcing*: it reads the true target,
+# `<s>` $y_1 \ldots y_{T-1}$, and at each position predicts the next token, so its
+# answers are $y_1 \ldots y_T$ `</s>`.
 # Two masks go with a batch:
 #
 # * the **padding mask** hides padding from attention;
@@ -1060,7 +1062,8 @@ class Batch:
 # mask = causal_mask(10)[0]
 # assert mask[3, 3] and mask[3, 0] and not mask[3, 4]
 # mask_frame = pd.DataFrame(
-#     [{"query": i, "key": j, "may attend": bool(mask[i, j])} for i in range(10) for j in range(10)]
+#     [{"query": i, "key": j, "may attend": "yes, it may" if mask[i, j] else "no, it is masked"}
+#      for i in range(10) for j in range(10)]  # fmt: skip
 # )
 # alt.Chart(mask_frame, title="Causal mask").mark_rect().encode(
 #     x=alt.X("key:O", title="key position"), y=alt.Y("query:O", title="query position"),
@@ -2881,7 +2884,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # print(f"{settings.epochs} epochs of {settings.precision} on {device}: {run_steps:,} steps;")
 # print(f"the rate peaks at step {settings.warmup:,} and {end}")
 # model, history = train(settings, data, folder, device=device)
-# print(f"{count_parameters(model):,} parameters, {len(history)} epochs, in {folder}")
+# trained = f"{count_parameters(model):,} parameters trained for {len(history)} epochs"
+# print(f"{trained}, kept in {folder}")
 # assert len(history) == settings.epochs and history[-1]["step"] == run_steps
 # assert history[-1]["val_loss"] < history[0]["val_loss"] or len(history) == 1
 
@@ -3533,7 +3537,11 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
             x=alt.X("key:N", sort=key_labels, title="key: the word read"),
             y=alt.Y("query:N", sort=query_labels, title="query: the word reading"),
             color=alt.Color("weight:Q", title="attention weight", scale=blues),
-            tooltip=["query:N", "key:N", alt.Tooltip("weight:Q", format=".3f")],
+            tooltip=[
+                alt.Tooltip("query:N", title="query: the word reading"),
+                alt.Tooltip("key:N", title="key: the word read"),
+                alt.Tooltip("weight:Q", title="attention weight", format=".3f"),
+            ],
         )
         .properties(width=side, height=side)
     )

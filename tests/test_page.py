@@ -157,6 +157,7 @@ def test_explorers_bind_layer_and_head_menus_and_show_the_words(page):
         assert binds == {"layer": "select", "head": "select"}
         fields = {t["field"] for t in spec["encoding"]["tooltip"]}
         assert fields == {"query", "key", "weight"}
+        assert all(t.get("title") for t in spec["encoding"]["tooltip"])  # words, not field names
 
 
 @pytest.mark.slow  # and drives Chromium
