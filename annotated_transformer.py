@@ -2874,7 +2874,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 # one, while an edit to beam search keeps it, and a rerun loads it in seconds.
 # `retrain=True` trains afresh, moving the old run aside. With the cpu preset it trains
 # for about 18 minutes on two cores: read on meanwhile. Interrupt the kernel mid-run and
-# run the cell again, and it goes on from the last finished epoch.
+# run the cell again, and it goes on from the last finished epoch. The cell prints the
+# run's plan before the first step, and what it trained after the last.
 
 # %% active="ipynb"
 # device = pick_device()
@@ -3510,6 +3511,19 @@ def menu(name: str, label: str, count: int, value: int) -> alt.Parameter:
     return alt.param(name=name, value=value, bind=options)
 
 
+# %% [markdown]
+# Hovering over a cell shows its query, its key and its weight, named as the axes name
+# them:
+
+
+# %%
+EXPLORER_TOOLTIP = [
+    alt.Tooltip("query:N", title="query: the word reading"),
+    alt.Tooltip("key:N", title="key: the word read"),
+    alt.Tooltip("weight:Q", title="attention weight", format=".3f"),
+]
+
+
 # %%
 def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str], title: str):
     """One heatmap with a layer and a head menu; weights: one (h, T_q, T_k) per layer."""
@@ -3537,11 +3551,7 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
             x=alt.X("key:N", sort=key_labels, title="key: the word read"),
             y=alt.Y("query:N", sort=query_labels, title="query: the word reading"),
             color=alt.Color("weight:Q", title="attention weight", scale=blues),
-            tooltip=[
-                alt.Tooltip("query:N", title="query: the word reading"),
-                alt.Tooltip("key:N", title="key: the word read"),
-                alt.Tooltip("weight:Q", title="attention weight", format=".3f"),
-            ],
+            tooltip=EXPLORER_TOOLTIP,
         )
         .properties(width=side, height=side)
     )

@@ -76,8 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.speed or args.block):
         parser.error("say which: --block 2017, --block modern, or --speed")
-    # both blocks pre-norm, as today's must be: for the cpu preset this changes nothing,
-    # and for the post-norm ones it keeps the comparison to the three new parts
+    # pre-norm for both blocks (the docstring says why)
     settings = dataclasses.replace(
         at.get_settings(args.preset), name=f"{args.preset}-{args.block or 'speed'}",
         seed=args.seed, pre_norm=True,
