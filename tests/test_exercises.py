@@ -20,16 +20,17 @@ import annotated_transformer as at
 NOTEBOOK = ROOT / "annotated_transformer.ipynb"
 CHINESE = ROOT / "annotated_transformer.zh-CN.ipynb"
 GAP = "✎"
-# the parts that end with exercises: the heading of each, and how many it has at least
+# the last appendix gathers the exercises, a section for each part: its heading, and how
+# many exercises it has at least
 PARTS = {
-    "## Part 1: the model": 2,
-    "## Part 2: training machinery": 2,
-    "## Part 3: a first test, the copy task": 2,
-    "## Part 4: a real task": 2,
-    "## Part 5: translating and scoring": 1,
-    "## Part 7: the trained translator": 1,
-    "## Part 8: looking inside, attention heatmaps": 2,
-    "## Appendix D: nine years on": 1,
+    "### Exercises for Part 1": 2,
+    "### Exercises for Part 2": 2,
+    "### Exercises for Part 3": 2,
+    "### Exercises for Part 4": 2,
+    "### Exercises for Part 5": 1,
+    "### Exercises for Part 7": 1,
+    "### Exercises for Part 8": 2,
+    "### Exercises for Appendix D": 1,
 }
 
 
@@ -48,6 +49,15 @@ def exercise_cells(notebook) -> list[tuple[str, str, object]]:
         if roles:
             found.append((part, roles.pop(), cell))
     return found
+
+
+def test_the_exercises_wait_in_the_last_appendix_so_the_core_reads_straight_through():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    headings = [c.source.splitlines()[0] for c in notebook.cells if c.cell_type == "markdown"]
+    parts = [h for h in headings if h.startswith("## ")]
+    assert parts[-1] == "## Appendix F: exercises"
+    first = next(i for i, c in enumerate(notebook.cells) if c.source.startswith(parts[-1]))
+    assert not any(tags(c) & {"starter", "solution", "check"} for c in notebook.cells[:first])
 
 
 def test_every_part_has_its_exercises_in_starter_solution_check_order():

@@ -88,7 +88,7 @@ def assert_self_contained(text: str) -> None:
 def test_page_is_self_contained(page):
     notebook, html, charts = page
     text = html.read_text(encoding="utf-8")
-    assert charts == len(export_html.chart_specs(notebook)) == 10
+    assert charts == len(export_html.chart_specs(notebook)) == 8
     assert_self_contained(text)
     assert '<html lang="en">' in text
 

@@ -310,7 +310,7 @@ def test_the_contents_link_texts_are_the_headings_they_point_to():
                 *re.findall(r'<a id="([^"]+)"></a>', block.msgid),
             ]:
                 headings[target] = name
-    assert len(links) == 15  # Prelims, Background, the nine parts and four appendices
+    assert len(links) == 17  # Prelims, Background, the nine parts and six appendices
     differ = []
     for label, target in links:
         heading = re.sub(r"^第 \d+ 部分：", "", headings[target])
