@@ -1,4 +1,4 @@
-"""The plumbing under the notebook: files, checkpoints, machine facts.
+"""The plumbing under the notebook: files, checkpoints, machine facts, the exercises' checks.
 
 Nothing here teaches the Transformer, so it lives outside the lesson. What it guarantees:
 
@@ -23,6 +23,8 @@ import hashlib
 import inspect
 import io
 import json
+import math
+import numbers
 import os
 import platform
 import re
@@ -353,11 +355,16 @@ def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
 
 # The settings that do not change what training computes.
 NOT_TRAINING = ("name", "beam_size", "length_penalty")
+# What a manifest records without naming the folder by it: the same code computes the same on
+# every Python; and the folder names torch's release without the build's local tag (+cpu,
+# +cu128), so that a run trained under one build loads under another (a teacher's run on a
+# student's Mac). A run resumed under another build says so (trainer.load_last).
+RECORDED_ONLY = ("python", "torch build")
 
 
 def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
-    """What a run is made of. All but "python" name its folder: the same code computes the
-    same on every Python, while another torch may compute otherwise."""
+    """What a run is made of. All but RECORDED_ONLY name its folder: another torch release
+    may compute otherwise."""
     vocabs = data.vocabs
     return {
         "preset": settings.name,
@@ -369,7 +376,8 @@ def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
             "training pairs": fingerprint(data.train),
         },
         "code": code_reached(namespace, roots),
-        "torch": torch.__version__,
+        "torch": torch.__version__.split("+")[0],  # the release: 2.13.0 for 2.13.0+cpu
+        "torch build": torch.__version__,  # recorded, not part of the name
         "python": platform.python_version(),  # recorded, not part of the name
     }
 
@@ -381,7 +389,7 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
     `retrain=True` moves an earlier run of the same name into checkpoints/replaced/, so
     the next training starts afresh and nothing is lost."""
     made_of = manifest(settings, data, namespace, roots)
-    key = fingerprint({k: v for k, v in made_of.items() if k != "python"})[:8]
+    key = fingerprint({k: v for k, v in made_of.items() if k not in RECORDED_ONLY})[:8]
     folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{key}"
     if retrain and folder.is_dir():
         kept = folder.parent / "replaced" / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -396,18 +404,27 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
 def differences(mine: dict, theirs: dict) -> str:
     """How one run's manifest differs from another's, in a few words ("" if in nothing)."""
     changes = []
-    for part, label in (("settings", "other settings"), ("code", "other code")):
+    for part in ("settings", "code"):
         ours, other = mine.get(part, {}), theirs.get(part, {})
         names = sorted(k for k in ours.keys() | other.keys() if ours.get(k) != other.get(k))
-        if names:
-            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-            changes.append(f"{label} for: {', '.join(names[:5])}{more}")
+        listed = ", ".join(names[:5])
+        if len(names) > 5:
+            listed = say("{names} and {n} more", names=listed, n=len(names) - 5)
+        if names and part == "settings":
+            changes.append(say("other settings for: {names}", names=listed))
+        elif names:
+            changes.append(say("other code for: {names}", names=listed))
+    data = {
+        "vocabularies": say("other vocabularies"),
+        "training pairs": say("other training pairs"),
+    }
     for part in sorted(set(mine.get("data", {})) | set(theirs.get("data", {}))):
         if mine.get("data", {}).get(part) != theirs.get("data", {}).get(part):
-            changes.append(f"other {part}")
+            changes.append(data.get(part, part))
     if mine.get("torch") != theirs.get("torch"):
-        changes.append(f"torch {mine.get('torch')} (was {theirs.get('torch')})")
-    return "; ".join(changes)
+        changes.append(say("torch {mine} (was {theirs})", mine=mine.get("torch"),
+                           theirs=theirs.get("torch")))  # fmt: skip
+    return say("; ").join(changes)
 
 
 def what_changed(folder: Path) -> str:
@@ -536,8 +553,8 @@ def gpu_report() -> str:
 
         pynvml.nvmlInit()
     except Exception:
-        return "no NVIDIA GPU here: nothing to report on GPU load and memory"
-    lines = ["gpu  load  memory used / total"]
+        return say("no NVIDIA GPU here: nothing to report on GPU load and memory")
+    lines = [say("gpu  load  memory used / total")]
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         load = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
@@ -547,3 +564,89 @@ def gpu_report() -> str:
         )
     pynvml.nvmlShutdown()
     return "\n".join(lines)
+
+
+# --- the exercises' checks ----------------------------------------------------------------
+
+
+def gap_is_empty(name: str, namespace: dict) -> bool:
+    """Whether the learner's answer `name` in `namespace` still holds its gap: a `...` where
+    the ✎ points. It says which answer the check below the cell will test."""
+    answer = namespace.get(name, ...)
+    if callable(answer):
+        empty = re.search(r"\.\.\.\s*# ✎", inspect.getsource(answer)) is not None
+    else:
+        empty = answer is ...
+    if empty:
+        print(say("the check of {name} below tests our answer: your gap is still empty", name=name))
+    else:
+        print(say("the check of {name} below tests your answer", name=name))
+    return empty
+
+
+def shown(value) -> str:
+    """An answer as a check names it: a tensor by its shape and first values, a number
+    rounded, anything else by its repr, shortened."""
+    if isinstance(value, torch.Tensor):
+        first = ", ".join(map(shown, value.detach().flatten()[:6].tolist()))
+        first += ", …" if value.numel() > 6 else ""
+        kind = str(value.dtype).removeprefix("torch.")
+        return say(
+            "a tensor of {kind}, shape {shape}, [{values}]",
+            kind=kind,
+            shape=tuple(value.shape),
+            values=first,
+        )
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(shown, value)) + ")"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return f"{value:.6g}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def matches(yours, wanted, rel_tol: float) -> bool:
+    """Whether an answer is the wanted one: a tensor of the same shape, or a tuple of the
+    same length, with every number within `rel_tol`; a whole number exactly."""
+    if isinstance(wanted, torch.Tensor):
+        return (
+            isinstance(yours, torch.Tensor)
+            and yours.shape == wanted.shape
+            and (yours.dtype == torch.bool) == (wanted.dtype == torch.bool)
+            and torch.allclose(yours.double(), wanted.double(), rtol=rel_tol, atol=1e-6)
+        )
+    if isinstance(wanted, tuple):
+        return (
+            isinstance(yours, tuple)
+            and len(yours) == len(wanted)
+            and all(matches(a, b, rel_tol) for a, b in zip(yours, wanted, strict=True))
+        )
+    if isinstance(wanted, bool) or not isinstance(wanted, numbers.Real):
+        return type(yours) is type(wanted) and yours == wanted
+    if not isinstance(yours, numbers.Real) or isinstance(yours, bool):
+        return False
+    if isinstance(wanted, numbers.Integral):
+        return yours == wanted
+    return math.isclose(yours, wanted, rel_tol=rel_tol, abs_tol=1e-9)
+
+
+def filled(answer):
+    """An answer, after checking that its gap (✎) holds something."""
+    assert answer is not ..., say(
+        "the gap (✎) has no answer yet: write yours there, run that cell, then this one"
+    )
+    return answer
+
+
+def expect(what: str, yours, wanted, hint: str, rel_tol: float = 1e-5) -> None:
+    """Assert that a learner's answer is the wanted one. An empty gap says so; a wrong answer
+    says in one line what was checked, yours, the expected one and a hint."""
+    assert matches(filled(yours), wanted, rel_tol), say(
+        "{what}: yours is {yours}, expected {wanted}; {hint}",
+        what=what,
+        yours=shown(yours),
+        wanted=shown(wanted),
+        hint=hint,
+    )

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from plumbing import (
+    RECORDED_ONLY,
     CheckpointError,
     differences,
     gather_from_ranks,
@@ -60,11 +61,16 @@ def seed_dropout(seed: int, epoch: int, rank: int) -> None:
 # The checkpoint of the last finished epoch: written, and read back
 
 
-def made_of(folder: Path) -> dict:
-    """What the run in `folder` is made of (its manifest), but for Python's version."""
+def manifest_of(folder: Path) -> dict:
+    """The run's manifest.json ({} if it has none)."""
     path = Path(folder) / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
-    return {k: v for k, v in manifest.items() if k != "python"}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def made_of(folder: Path) -> dict:
+    """What the run in `folder` is made of (its manifest), but for what only is recorded:
+    Python's version and torch's build."""
+    return {k: v for k, v in manifest_of(folder).items() if k not in RECORDED_ONLY}
 
 
 def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1) -> None:
@@ -114,11 +120,32 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
     kept["optimizer"].load_state_dict(checkpoint["optimizer"])
     kept["schedule"].load_state_dict(checkpoint["schedule"])
     epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
-    if rank == 0 and finished:  # once, not once per process
-        print(say("loaded {path}", path=path))
-    elif rank == 0:
-        print(say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step))
+    if rank == 0:  # once, not once per process
+        print(resumed_line(folder, path, finished, epoch, step))
     return checkpoint["history"]
+
+
+def resumed_line(folder: Path, path: Path, finished: bool, epoch: int, step: int) -> str:
+    """What a run that loads its checkpoint prints: a finished one, where and with what it
+    was trained; an unfinished one, where it goes on, and whether under another torch build,
+    whose kernels may round otherwise (it trains on: the result is as good, if not the same
+    to the last bit as a run never stopped)."""
+    manifest = manifest_of(folder)
+    built, python = manifest.get("torch build"), manifest.get("python")
+    if finished and built:
+        return say("loaded {path}, trained with torch {torch} and Python {python}",
+                   path=path, torch=built, python=python)  # fmt: skip
+    if finished:
+        return say("loaded {path}", path=path)
+    line = say("going on after epoch {epoch}, step {step}", epoch=epoch, step=step)
+    if built and built != torch.__version__:
+        line += say(
+            "; the epochs so far ran under torch {built}, the rest run under {here}, which "
+            "may round otherwise: not the same to the last bit as a run never stopped",
+            built=built,
+            here=torch.__version__,
+        )
+    return line
 
 
 def starting_line(folder: Path) -> str:

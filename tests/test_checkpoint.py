@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -260,3 +261,37 @@ def test_sigkill_mid_epoch_then_rerun_is_bit_identical_averaging_included(quick_
     assert "going on after epoch 1" in resumed.stdout
     scores = same_outputs(straight_out, resumed_out)
     assert len(scores) == 3 and scores[-1][-1]["epochs"] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_teachers_finished_run_loads_under_another_build_of_the_same_torch(
+    quick_data, tmp_path, capsys, monkeypatch
+):
+    """A teacher trains once and hands out the run's folder: a student's torch of the same
+    release but another build (2.13.0 on a Mac, +cu128 with CUDA, +cpu on Linux) names the
+    same folder and loads the finished run, saying where and with what it was trained. An
+    unfinished run goes on under the other build, saying that it is not bit-identical; another
+    release names another folder and trains anew."""
+    teacher = tmp_path / "teacher" / "data"
+    with stopped_after_saving(epoch=0):
+        train_as_the_notebook(TWO_EPOCHS, quick_data, teacher)
+    shutil.copytree(teacher, tmp_path / "half")  # a copy of the run, one epoch in
+    _, taught, folder = train_as_the_notebook(TWO_EPOCHS, quick_data, teacher)
+    their_build = torch.__version__
+    release = their_build.split("+")[0]
+    student, half = tmp_path / "student" / "data", tmp_path / "half"
+    shutil.copytree(teacher, student)  # what a student unpacks into the project's data/
+    other_build = release if "+" in their_build else f"{release}+cu128"
+    monkeypatch.setattr(torch, "__version__", other_build)
+    capsys.readouterr()
+    _, history, theirs = train_as_the_notebook(TWO_EPOCHS, quick_data, student)
+    out = capsys.readouterr().out
+    assert theirs.name == folder.name and history == taught
+    assert out.splitlines() == [f"loaded {theirs / 'last.pt'}, trained with torch {their_build} "
+                                f"and Python {platform.python_version()}"]  # fmt: skip
+    _, history, resumed = train_as_the_notebook(TWO_EPOCHS, quick_data, half)
+    out = capsys.readouterr().out
+    assert resumed.name == folder.name and len(history) == 2
+    assert f"ran under torch {their_build}, the rest run under {other_build}" in out
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")  # another release
+    assert plumbing.run_folder(TWO_EPOCHS, quick_data, vars(at), student).name != folder.name

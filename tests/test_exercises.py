@@ -13,9 +13,11 @@ import re
 
 import nbformat
 import pytest
+import torch
 from conftest import ROOT, run_cell, run_smoke_notebook
 
 import annotated_transformer as at
+import plumbing
 
 NOTEBOOK = ROOT / "annotated_transformer.ipynb"
 CHINESE = ROOT / "annotated_transformer.zh-CN.ipynb"
@@ -76,8 +78,8 @@ def test_every_part_has_its_exercises_in_starter_solution_check_order():
         if role == "solution":  # folded in the page and in JupyterLab
             assert "hide-input" in tags(cell) and cell.metadata["jupyter"]["source_hidden"]
             assert GAP not in cell.source
-        if role == "check":
-            assert "filled(" in cell.source  # the first test: a clear message on a gap
+        if role == "check":  # the first test: a clear message on a gap
+            assert "expect(" in cell.source or "filled(" in cell.source
 
 
 # names whose top-level use marks a cell that trains, or needs what training made, or
@@ -164,11 +166,11 @@ def test_our_answer_fills_an_empty_gap_and_never_replaces_a_filled_one():
     folded answer leaves the student's own answer in place for the check; after an
     untouched starter, ours stands in, so Run All still passes."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    helpers = next(c.source for c in notebook.cells if "def gap_is_empty" in c.source)
+    helpers = next(c.source for c in notebook.cells if "import expect, filled" in c.source)
     found = exercise_cells(notebook)
     triples = [[cell for _, _, cell in found[i : i + 3]] for i in range(0, len(found), 3)]
     for number, (starter, solution, _) in enumerate(triples):
-        (name,) = re.findall(r'gap_is_empty\("(\w+)"\)', solution.source)
+        (name,) = re.findall(r'gap_is_empty\("(\w+)", globals\(\)\)', solution.source)
         for gap in ("...", "None"):  # untouched, then filled in (with a wrong answer)
             namespace = dict(vars(at))
             run_cell(helpers, namespace, "<cell helpers>")
@@ -198,3 +200,126 @@ def test_every_assert_of_a_check_says_what_is_wrong(edition):
                 elif edition == "chinese" and message.isascii():
                     english.append(where)
     assert bare == [] and english == [], (bare, english)
+
+
+# Two typical wrong answers per exercise: the starter's gap filled with them, and what the
+# check's one line must then show of yours. (4.2's starter fills in one test of a loop.)
+WRONG = {
+    "decoder_layer_parameters": [
+        ("None", "yours is None, expected 4,204,032"),  # forgot to return
+        ("4 * d_model * d_model + 2 * d_model * d_ff", "yours is 3,145,728, expected 4,204,032"),
+    ],
+    "embedding_rms": [
+        ("model.src_embed[0].embedding.weight.std()", "yours is a tensor of float32, shape ()"),
+        ("model.src_embed[0].embedding.weight.abs().max().item()", "expected 0.0441942"),
+    ],
+    "peak_of_rate": [
+        ("d_model**-0.5 * warmup**-0.5", "yours is 0.000698771, expected (4,000, 0.000698771)"),
+        ("warmup, d_model**-0.5", "yours is (4,000, 0.0441942), expected (4,000, 0.000698771)"),
+    ],
+    "padding_mask": [
+        ("ids != pad_id", "yours is a tensor of bool, shape (1, 5), [True, True, True, False"),
+        ("(ids == pad_id).unsqueeze(-2)", "yours is a tensor of bool, shape (1, 1, 5), [False,"),
+    ],
+    "prenorm_config": [
+        ("ModelConfig(pre_norm=True)", "yours is ModelConfig(d_model=512"),
+        ("ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)", "pre_norm=False"),
+    ],
+    "reversed_words": [
+        ("seq.flip(1)", "yours is a tensor of int64"),
+        ("seq", "expected a tensor of int64, shape (1, 6)"),
+    ],
+    "vocabulary_trade_off": [
+        ("len(vocab)", "yours is 6, expected (6, 0.4)"),
+        ("0.4, len(vocab)", "yours is (0.4, 6), expected (6, 0.4)"),
+    ],
+    "brevity_penalty": [
+        (
+            "math.exp(1 - hypothesis_length / reference_length)",
+            "yours is 1.33071, expected 0.67032",
+        ),
+        ("1.0", "yours is 1, expected 0.67032"),
+    ],
+    "tie_alpha": [
+        ("None", "your alpha is None, not a number"),
+        ("0.5", "with alpha 0.501, your tie says the long sentence wins"),
+    ],
+    "head_entropy": [  # no average over the queries; then 0 log 0 taken as nan
+        ("-(weights * torch.log2(weights)).sum(-1)", "yours is a tensor of float32, shape (1, 3)"),
+        (
+            "-(weights * torch.log2(weights)).sum(-1).mean(-1)",
+            "yours is a tensor of float32, shape (1,), [nan], expected a tensor of float32",
+        ),
+    ],
+    "diagonal_score": [
+        ("(weights.argmax(-1) == torch.arange(weights.size(1))).float()", "shape (1, 6)"),
+        (
+            "(weights.argmax(-2) == torch.arange(weights.size(1))).float().mean(-1)",
+            "yours is a tensor of float32, shape (1,), [0], expected",
+        ),
+    ],
+    "rms_norm": [
+        ("x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)", "yours is a tensor of float64"),
+        ("x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * gain", "expected a tensor of float64"),
+    ],
+}
+
+
+def what_a_check_reads() -> dict:
+    """Small stand-ins for what the checks read from the cells that trained or loaded data."""
+    from types import SimpleNamespace
+
+    sentences = ["a man rides a horse on the beach", "two dogs play in the snow"]
+    return {
+        "tokens": {"train": {"en": [["a", "b", "a"], ["c", "a", "b"]]},
+                   "val": {"en": [["a", "b", "d", "e", "a"]]}},  # fmt: skip
+        "data": SimpleNamespace(val_text=[("", s) for s in sentences]),
+        "maps": {"encoder self-attention": [torch.softmax(torch.randn(2, 3, 4), -1)],
+                 "encoder-decoder attention": [torch.softmax(torch.randn(2, 3, 4), -1)]},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("edition", list(EDITIONS))
+def test_a_wrong_answer_hears_what_it_gave_and_what_was_expected(edition):
+    """Each check, given two typical wrong answers, stops with one line that shows the
+    learner's answer, in the notebook's language; none trains before it has checked."""
+    notebook = nbformat.read(EDITIONS[edition][0], as_version=4)
+    helpers = next(c.source for c in notebook.cells if "import expect, filled" in c.source)
+    found = exercise_cells(notebook)
+    triples = [[cell for _, _, cell in found[i : i + 3]] for i in range(0, len(found), 3)]
+    tried = set()
+    plumbing.use_language("zh_CN" if edition == "chinese" else "en")
+    try:
+        for starter, solution, check in triples:
+            (name,) = re.findall(r'gap_is_empty\("(\w+)", globals\(\)\)', solution.source)
+            for wrong, shown in WRONG.get(name, []):
+                namespace = dict(vars(at)) | what_a_check_reads()
+                run_cell(helpers, namespace, "<cell helpers>")
+                run_cell(re.sub(r"\.\.\.(?=  # ✎)", wrong, starter.source), namespace, "<s>")
+                namespace["train_copy_task"] = None  # a check must not train a wrong answer
+                with pytest.raises(AssertionError) as failed:
+                    run_cell(check.source, namespace, f"<cell check {name}>")
+                message = str(failed.value)
+                assert "\n" not in message, (name, wrong, message)
+                if edition == "english":
+                    assert shown in message, (name, wrong, message)
+                else:
+                    assert not message.isascii(), (name, wrong, message)
+            tried.add(name)
+    finally:
+        plumbing.use_language("en")
+    assert set(WRONG) <= tried  # every exercise named above was found and tried
+
+
+def test_an_answer_that_differs_only_by_rounding_passes():
+    """An entropy with a tiny epsilon in its logarithm is right: the check compares within
+    a tolerance, not to the last bit."""
+    weights = torch.eye(4)[None, :3]
+    yours = -(weights * torch.log2(weights + 1e-12)).sum(-1).mean(-1)
+    plumbing.expect("one-hot", yours, torch.tensor([0.0]), "")
+    with pytest.raises(AssertionError, match="yours is 3, expected 3.5"):
+        plumbing.expect("a number", 3, 3.5, "a hint")
+    with pytest.raises(AssertionError, match="yours is None, expected"):
+        plumbing.expect("a tuple", None, (4000, 0.5), "a hint")
+    with pytest.raises(AssertionError, match="gap"):
+        plumbing.expect("an empty gap", ..., 1, "a hint")

@@ -160,6 +160,40 @@ def test_explorers_bind_layer_and_head_menus_and_show_the_words(page):
         assert all(t.get("title") for t in spec["encoding"]["tooltip"])  # words, not field names
 
 
+def encodings(spec) -> list[dict]:
+    """Every encoding of a chart and of its parts (layers, concatenations)."""
+    if isinstance(spec, list):
+        return [e for part in spec for e in encodings(part)]
+    if not isinstance(spec, dict):
+        return []
+    found = [spec["encoding"]] if isinstance(spec.get("encoding"), dict) else []
+    parts = [spec.get(k) for k in ("layer", "hconcat", "vconcat", "concat", "spec")]
+    return found + [e for part in parts if part for e in encodings(part)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edition", ["english", "chinese"])
+def test_every_chart_titles_its_axes_and_tells_its_series_apart_by_colour(edition, page, zh_page):
+    """A chart a teacher projects: each x and y axis says what it measures (a title of its
+    own, or a field named in words; never a bare identifier such as "value", nor an empty
+    title), and series differ by colour alone, which the legend shows (a dashed or shaped
+    series would need a legend of its own)."""
+    notebook = (page if edition == "english" else zh_page)[0]
+    untitled, other_marks = [], []
+    for number, spec in enumerate(export_html.chart_specs(notebook)):
+        for encoding in encodings(spec):
+            for channel in ("x", "y"):
+                if "field" not in encoding.get(channel, {}):
+                    continue
+                field, title = encoding[channel]["field"], encoding[channel].get("title")
+                if not (title or " " in field or not field.isascii()):  # "value", "step"
+                    untitled.append((number, channel, field))
+            for channel in ("strokeDash", "shape", "size", "opacity"):
+                if "field" in encoding.get(channel, {}):
+                    other_marks.append((number, channel))
+    assert untitled == [] and other_marks == [], (untitled, other_marks)
+
+
 @pytest.mark.slow  # and drives Chromium
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: apt-get install chromium")
 def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
@@ -183,6 +217,8 @@ def test_every_chart_renders_offline_without_script_errors(page, tmp_path):
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
     assert rendered == charts, f"{rendered} of {charts} charts rendered; console: {console}"
     assert console == [], f"the page logged: {console}"
+    cut = re.findall(r"<text[^>]*>([^<]*…)</text>", run.stdout)  # Vega shortens what won't fit
+    assert cut == [], f"labels cut short on the page: {cut}"
     # a copy of the page that shows only the cells of the three heatmaps (Part 8's explorers)
     heatmaps = ", ".join(f"#altair-chart-{i}" for i in explorer_numbers(page[0]))
     style = f"<style>.jp-Cell:not(:has({heatmaps})) {{ display: none; }}</style>"

@@ -8,11 +8,13 @@ import dataclasses
 import inspect
 import json
 import linecache
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CPU, ROOT, quick_settings, run_cell, same_weights, train_as_the_notebook
 
 import annotated_transformer as at
@@ -60,7 +62,7 @@ def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkey
     assert calls["training"] > 0 and calls["other"] > 0  # training and validation used it
     assert edited_folder != folder and not same_weights(model, edited_model)
     manifest = json.loads((edited_folder / "manifest.json").read_text())
-    assert set(manifest) == {"preset", "settings", "data", "code", "torch", "python"}
+    assert set(manifest) == {"preset", "settings", "data", "code", "torch", "torch build", "python"}
     assert "attention" in manifest["code"] and "run_epoch" in manifest["code"]
     assert "trainer.save_last" in manifest["code"] and "trainer.save_checkpoint" in manifest["code"]
 
@@ -265,7 +267,8 @@ def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
     assert "training into" in capsys.readouterr().out
     again, again_history, again_folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path)
     out = capsys.readouterr().out
-    assert out == f"loaded {folder / 'last.pt'}\n"  # no epoch line: nothing trained
+    built = f"torch {torch.__version__} and Python {platform.python_version()}"
+    assert out == f"loaded {folder / 'last.pt'}, trained with {built}\n"  # nothing trained
     assert again_folder == folder and same_weights(again, first) and again_history == history
 
     changed = dataclasses.replace(SETTINGS, dropout=0.2, lr_factor=2.0)

@@ -441,43 +441,6 @@ def build(english: Path = ENGLISH, catalogue: Path = CATALOGUE, chinese: Path = 
     chinese.write_text(build_text(english, catalogue), encoding="utf-8")
 
 
-def with_outputs(chinese: dict, executed: dict) -> dict:
-    """The Chinese notebook with the outputs of an executed English one, copied cell by cell
-    by id: the code is the same, so `make run` trains once and both pages show its run.
-
-    Stops with a clear message when the run's code differs from the Chinese notebook's (the
-    English changed after the run, or the Chinese notebook is stale)."""
-    ran = {c["id"]: c for c in executed["cells"] if c["cell_type"] == "code"}
-    code = [c for c in chinese["cells"] if c["cell_type"] == "code"]
-    stale = [
-        c["id"]
-        for c in code
-        if c["id"] not in ran or masked(cell_source(ran[c["id"]])) != masked(cell_source(c))
-    ]
-    if stale or len(ran) != len(code):
-        raise ValueError(
-            f"the executed notebook's code differs from the Chinese notebook's (cells "
-            f"{', '.join(stale[:5]) or 'added or removed'}): run `make translations`, "
-            "then `make run` again"
-        )
-    result = json.loads(json.dumps(chinese))  # a deep copy
-    for cell in result["cells"]:
-        if cell["cell_type"] == "code":
-            cell["outputs"] = ran[cell["id"]]["outputs"]
-            cell["execution_count"] = ran[cell["id"]]["execution_count"]
-    return result
-
-
-def outputs(executed: Path, target: Path, chinese: Path = CHINESE) -> None:
-    """Write `target`: the Chinese notebook with the outputs of the executed English one."""
-    try:
-        nb = with_outputs(load(chinese), load(executed))
-    except ValueError as error:
-        sys.exit(f"{executed}: {error}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(dump(nb), encoding="utf-8")
-
-
 # --- check -----------------------------------------------------------------------------
 
 MATH = re.compile(r"\$\$.+?\$\$|\$[^$\n]+\$", re.DOTALL)
@@ -674,20 +637,11 @@ def merge_chunks() -> None:
 def main() -> int:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    commands = ["update", "build", "check", "chunks", "merge-chunks", "outputs"]
+    commands = ["update", "build", "check", "chunks", "merge-chunks"]
     parser.add_argument("command", choices=commands)
-    parser.add_argument("paths", nargs="*", type=Path, help="outputs: EXECUTED TARGET")
-    args = parser.parse_args()
-    command = args.command
+    command = parser.parse_args().command
     if command == "check":
         return check()
-    if command == "outputs":
-        if len(args.paths) != 2:
-            parser.error("outputs takes two paths: the executed English notebook, the target")
-        if not args.paths[0].is_file():
-            sys.exit(f"{args.paths[0]} is missing: run `make run` first")
-        outputs(*args.paths)
-        return 0
     {"update": update, "build": build, "chunks": chunks, "merge-chunks": merge_chunks}[command]()
     return 0
 
