@@ -203,7 +203,7 @@ def test_every_assert_of_a_check_says_what_is_wrong(edition):
 
 
 # Two typical wrong answers per exercise: the starter's gap filled with them, and what the
-# check's one line must then show of yours. (4.2's starter fills in one test of a loop.)
+# check's one line must then show of yours.
 WRONG = {
     "decoder_layer_parameters": [
         ("None", "yours is None, expected 4,204,032"),  # forgot to return
@@ -232,6 +232,10 @@ WRONG = {
     "vocabulary_trade_off": [
         ("len(vocab)", "yours is 6, expected (6, 0.4)"),
         ("0.4, len(vocab)", "yours is (0.4, 6), expected (6, 0.4)"),
+    ],
+    "random_batches": [  # the new pair's length, not the longest; then a test never true
+        ("length * (len(current) + 1) <= batch_tokens", "over budget: yours is 6, expected 0"),
+        ("False", "empty batches: yours is 1, expected 0"),
     ],
     "brevity_penalty": [
         (
@@ -274,6 +278,8 @@ def what_a_check_reads() -> dict:
         "tokens": {"train": {"en": [["a", "b", "a"], ["c", "a", "b"]]},
                    "val": {"en": [["a", "b", "d", "e", "a"]]}},  # fmt: skip
         "data": SimpleNamespace(val_text=[("", s) for s in sentences]),
+        "full_train": [(list(range(n)), list(range(n))) for n in (2, 9, 3, 8, 4, 7, 5, 6) * 4],
+        "settings": SimpleNamespace(batch_tokens=20),
         "maps": {"encoder self-attention": [torch.softmax(torch.randn(2, 3, 4), -1)],
                  "encoder-decoder attention": [torch.softmax(torch.randn(2, 3, 4), -1)]},
     }  # fmt: skip

@@ -3,6 +3,8 @@ chart renders in headless Chromium, and the Chinese page draws its text with rea
 missing-glyph boxes. They read the run that nbval just made of both notebooks (conftest.py
 keeps its outputs, and keeps these tests on the notebooks' worker under pytest-xdist)."""
 
+import dataclasses
+import gzip
 import re
 import shutil
 import subprocess
@@ -12,6 +14,8 @@ import nbformat
 import pytest
 from bs4 import BeautifulSoup
 from conftest import DATA_AFTER_FETCH, EXECUTED, ROOT, files_under, run_smoke_notebook
+
+import presets
 
 sys.path.insert(0, str(ROOT / "tools"))
 import export_html  # noqa: E402
@@ -132,6 +136,124 @@ def test_the_chinese_page_is_self_contained_and_says_its_language(page, zh_page)
     assert "<summary>显示代码</summary>" in text
     prose = BeautifulSoup(text, "html.parser").select_one("div.jp-RenderedMarkdown").get_text()
     assert re.search(r"[\u4e00-\u9fff]", prose), "the first markdown cell is not in Chinese"
+
+
+LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'’]*")
+# A name or a unit a Chinese reader sees as it is: the paper's and the tools' names, and the
+# words that the printed code (a setting's name, a path) and the progress bar are made of.
+NAMES = {"Adam", "Altair", "Multi30k", "Python", "PyTorch", "Transformer", "beam", "greedy"}
+NAMES |= {"it", "s", "ms", "min", "px", "torch", "sacreBLEU", "spaCy", "nan", "inf", "e"}
+NAMES |= {"alpha", "pos", "logit", "rotate"}  # a symbol, a term and a function, as printed
+NAMES |= {"Quantencomputer"}  # the German word of Part 7's own sentence that Multi30k lacks
+
+
+def shown_in_charts(spec) -> list[str]:
+    """The text a chart shows: its titles, its menus' labels, the field names that stand as
+    titles where a channel has none, and the values of the fields it draws as words (a
+    legend's entries, a nominal axis's labels, a tooltip's values; a boolean as true/false)."""
+    rows = [row for data in spec.get("datasets", {}).values() for row in data]
+    shown: list[str] = []
+
+    def values(field):
+        found = [row[field] for row in rows if field in row]
+        return [
+            str(v).lower() if isinstance(v, bool) else v
+            for v in found
+            if not isinstance(v, (int, float)) or isinstance(v, bool)
+        ]
+
+    def walk(node):
+        if isinstance(node, list):
+            for part in node:
+                walk(part)
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            if key == "title":
+                text = value.get("text", "") if isinstance(value, dict) else value
+                shown.extend(text if isinstance(text, list) else [str(text)])
+            elif key == "bind" and isinstance(value, dict):
+                shown.append(str(value.get("name", node.get("name", ""))))
+            elif key == "encoding":
+                for channel in value.values():
+                    for used in channel if isinstance(channel, list) else [channel]:
+                        if "field" in used:
+                            shown.extend(values(used["field"]))
+                            if "title" not in used:
+                                shown.append(used["field"])
+                walk(value)
+            else:
+                walk(value)
+
+    walk({k: v for k, v in spec.items() if k != "datasets"})
+    return [str(text) for text in shown]
+
+
+def shown_as_text(notebook) -> list[str]:
+    """What the executed notebook prints or displays as text: streams, results, tables (their
+    headers and row labels too), errors. A chart's own text is read from its spec."""
+    shown = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if output.get("output_type") == "stream":
+                shown.append(output["text"])
+            elif output.get("output_type") == "error":
+                shown.append(f"{output['ename']}: {output['evalue']}")
+            elif "text/html" in data:
+                shown.append(BeautifulSoup(data["text/html"], "html.parser").get_text(" "))
+            elif not any(kind.startswith("application/vnd.vegalite") for kind in data):
+                shown.append(data.get("text/plain", "") + data.get("text/markdown", ""))
+    return shown
+
+
+def english_words(texts: list[str], allowed: set[str]) -> dict[str, str]:
+    """The English words among what a reader sees, each with the text it came from. A word
+    passes when it is part of code (a piece of text with a digit, "/", "_", "=", a bracket,
+    a dot inside or a leading quote: a path, a setting, a repr), a name with two capitals
+    (BLEU, GPU, LayerNorm, RMSNorm), or `allowed` (lower-cased): names, the data's words."""
+    found = {}
+    for text in texts:
+        for piece in text.split():
+            if re.search(r"[/_=()\[\]{}<>\d]|\w\.\w", piece) or piece[:1] in "'\"`":
+                continue
+            for word in LATIN_WORD.findall(piece):
+                plain = word.strip("'’")
+                if re.search(r"[A-Z].*[A-Z]", plain) or plain in NAMES:  # BLEU, LayerNorm
+                    continue
+                if plain.lower() not in allowed:
+                    found.setdefault(plain, text.strip()[:120])
+    return found
+
+
+@pytest.fixture(scope="module")
+def data_words(multi30k) -> set[str]:
+    """Every word of Multi30k's German and English sentences, and the names of the settings
+    and their values (a table of the presets shows them as they are), lower-cased."""
+    words = set()
+    for path in multi30k.glob("*.gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as lines:
+            words.update(w.lower() for w in LATIN_WORD.findall(lines.read()))
+    for preset in presets.PRESETS.values():
+        for name, value in dataclasses.asdict(preset).items():
+            words |= {name.lower()} | ({value.lower()} if isinstance(value, str) else set())
+    return words
+
+
+@pytest.mark.slow
+def test_the_chinese_run_shows_no_english_but_names_numbers_and_the_datas_words(
+    page, zh_page, data_words
+):
+    """Everything the executed Chinese notebook shows a learner (printed lines, tables, chart
+    titles, axis and legend titles, legend values, tooltips, menus) is Chinese, but for
+    names, numbers, units and the data's own words. The English run, read the same way,
+    shows English words: the check can fail."""
+    seen = {}
+    for edition, (notebook, _, _) in {"english": page, "chinese": zh_page}.items():
+        charts = [t for spec in export_html.chart_specs(notebook) for t in shown_in_charts(spec)]
+        seen[edition] = english_words(shown_as_text(notebook) + charts, data_words)
+    assert {"parameters", "epoch"} & set(seen["english"]), seen["english"]
+    assert seen["chinese"] == {}, f"English where the Chinese learner reads: {seen['chinese']}"
 
 
 def explorer_numbers(notebook) -> list[int]:

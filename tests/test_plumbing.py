@@ -72,3 +72,36 @@ def test_a_folder_that_cannot_be_made_is_one_clear_line(tmp_path):
     message = str(error.value)
     assert message.startswith(f"cannot create the folder {target.parent}: ")
     assert "\n" not in message and not (tmp_path / "nowhere").exists()
+
+
+@pytest.fixture
+def chinese():
+    """plumbing's messages in Chinese for one test, English again after it."""
+    plumbing.use_language("zh_CN")
+    yield
+    plumbing.use_language("en")
+
+
+def test_the_retrain_message_and_the_gpu_table_speak_chinese(chinese, monkeypatch):
+    """What no notebook run on a CPU shows: why a run trains anew (the changed names are
+    code, kept as they are) and the GPU table, in the Chinese notebook's language."""
+    mine = {"settings": {"epochs": 1}, "code": {"attention": "a"}, "data": {"vocabularies": "v"}}
+    theirs = {"settings": {"epochs": 2}, "code": {"attention": "b"}, "data": {"vocabularies": "w"}}
+    said = plumbing.differences({**mine, "torch": "2.13.0"}, {**theirs, "torch": "2.12.0"})
+    words = set(re.findall(r"[A-Za-z]+", said)) - {"epochs", "attention", "torch"}
+    assert words == set() and re.search(r"[\u4e00-\u9fff]", said), said
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVIDIA library: import fails
+    said = plumbing.gpu_report()
+    assert set(re.findall(r"[A-Za-z]+", said)) == {"NVIDIA", "GPU"}, said
+
+    class Device:  # one GPU, as pynvml reports it
+        gpu, used, total = 40, 2 * 2**30, 80 * 2**30
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: Device, nvmlDeviceGetUtilizationRates=lambda h: h,
+        nvmlDeviceGetMemoryInfo=lambda h: h,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    header, row = plumbing.gpu_report().splitlines()
+    assert set(re.findall(r"[A-Za-z]+", header)) <= {"GPU", "gpu"} and "40%" in row, header

@@ -273,23 +273,32 @@ def test_each_chinese_message_is_the_catalogues_chinese_for_the_english_beside_i
     )
 
 
+def records():
+    """tools/records.py, which picks the records that README.md's generated blocks show."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import records
+
+    return records
+
+
+def not_in_chinese(shown: list[str]) -> list[str]:
+    """The items of `shown` that README.zh-CN.md lacks."""
+    chinese = CHINESE.read_text(encoding="utf-8")
+    return [item for item in shown if item not in chinese]
+
+
 def test_the_chinese_results_table_shows_the_same_record():
     """README.zh-CN.md shows the record that README.md's generated table shows (the newest
     `make run` of the cpu preset, as tools/records.py picks it): its link, BLEU and
     training minutes. When a new record replaces it, this fails until the Chinese follows."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import records
-
-    run = records.newest_run(records.load_records(), "cpu")
+    run = records().newest_run(records().load_records(), "cpu")
     assert run is not None, "results/ has no make run record of the cpu preset"
-    chinese = CHINESE.read_text(encoding="utf-8")
-    shown = [
+    missing = not_in_chinese([
         f"](results/{run['file']})",
         f"{run['test2016_bleu_greedy']:.1f}",
         f"{run['test2016_bleu_beam']:.1f}",
         f"{run['train_seconds'] / 60:.1f}",
-    ]
-    missing = [item for item in shown if item not in chinese]
+    ])  # fmt: skip
     assert not missing, f"README.zh-CN.md's results table lacks {missing} of {run['file']}"
 
 
@@ -297,21 +306,16 @@ def test_the_chinese_performance_section_shows_the_newest_benchmark():
     """README.zh-CN.md's Performance gives the figures of README.md's generated block (the
     newest benchmark, as tools/records.py picks it): its commit, the model's size, the step
     against torch.nn.Transformer, the pipeline's speed-up and the share of real tokens."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import records
-
-    benches = [r for r in records.load_records() if r["kind"] == "bench"]
+    benches = [r for r in records().load_records() if r["kind"] == "bench"]
     assert benches, "results/ has no benchmark record"
     r = sorted(benches, key=lambda r: r["machine"].get("utc", ""))[-1]  # as records.py picks
     b = r["bench"]
-    chinese = CHINESE.read_text(encoding="utf-8")
-    shown = [
+    missing = not_in_chinese([
         f"`{r['commit']}`",
         f"{b['model_vs_pytorch']['ours_parameters']:,}",
         f"{b['model_vs_pytorch']['ratio']:.2f} 倍",
         f"{b['pipeline']['speedup']:.1f} 倍",
         f"{b['padding']['ours']:.0%}",
         f"{b['padding']['reference']:.0%}",
-    ]
-    missing = [item for item in shown if item not in chinese]
+    ])  # fmt: skip
     assert not missing, f"README.zh-CN.md's Performance lacks {missing} of {r['file']}"
