@@ -178,12 +178,15 @@ def set_seed(seed: int) -> None:
 # | convolutional, kernel $k$, dilated | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
 #
 # Attention's work grows with the square of a sentence's length, but sentences are
-# usually shorter than the vectors are wide (about 15 tokens here, against 512 numbers),
-# so by this count it is the cheapest layer; for inputs longer than the vectors are wide,
-# the square makes it costlier than recurrence. The table leaves out the products around
-# each layer (attention's four projections, which Part 1 builds, add
-# $4 \cdot n \cdot d^2$); with them, both are of the order of $n \cdot d^2$. What
-# attention wins is the last two columns, because a signal that must pass many steps fades.
+# usually shorter than the vectors are wide (about 15 tokens here, against the base
+# model's 512), so by this count it is the cheapest layer; for inputs longer than the
+# vectors are wide, the square makes it costlier than recurrence. The table leaves out the
+# products around each layer (attention's four projections, which Part 1 builds, add
+# $4 \cdot n \cdot d^2$); with them, both are of the order of $n \cdot d^2$ at such
+# lengths. Against recurrence attention wins both last columns: nothing waits, and a short
+# path keeps a signal that many steps would fade. Convolutional translators (ByteNet,
+# ConvS2S) had already stopped the waiting, but linked distant words only through a stack
+# of layers (§2).
 #
 # The Transformer is "the first transduction model relying entirely on self-attention
 # to compute representations of its input and output without using sequence-aligned RNNs
@@ -1094,14 +1097,12 @@ def tokens_per_step(batches: Sequence[Batch], accum_iter: int) -> list[int]:
 # An optimizer step first clips the summed gradients if asked, scaling them down so that
 # their norm, over all parameters together, is at most the limit: one unusual batch
 # cannot push the weights far (the paper does not mention clipping). It then steps,
-# clears the gradients and advances the schedule, whose count PyTorch names
-# `schedule.last_epoch`, though it counts steps.
+# clears the gradients and advances the schedule.
 #
 # In the loop, micro-batch $i$ belongs to step $\lfloor i / accum \rfloor$, so its loss
 # is divided by `step_tokens[i // accum_iter]`. The optimizer steps after each group's
 # last micro-batch and the epoch's last, so no gradient is left over. `clip_norm` and
-# `autocast`, for Part 6, do nothing by default; autocast runs matrix products in
-# *bf16*, 16-bit floats with float32's range but fewer digits.
+# `autocast`, for Part 6, do nothing by default.
 
 
 # %%
@@ -2083,8 +2084,9 @@ class CachedPrefix(FullPrefix):
 # * gpu is the paper's base model. On 29,000 sentence pairs its 51 million parameters
 #   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
 #   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus. No GPU has run it yet,
-#   so a GPU runs cpu unless `AT_PRESET=gpu` asks for it. Its products are bf16 where the
-#   GPU computes bf16 in hardware, else fp32.
+#   so a GPU runs cpu unless `AT_PRESET=gpu` asks for it. Its matrix products are *bf16*
+#   (16-bit floats with float32's range but fewer digits) where the GPU computes bf16 in
+#   hardware, else fp32.
 #
 # Every field, with its reason, is in [presets.py](presets.py). On a slow machine,
 # `dataclasses.replace(settings, epochs=6)` trains a whole run of 6 epochs instead of 13,
@@ -2097,8 +2099,7 @@ class CachedPrefix(FullPrefix):
 # display(preset_table.drop(index="name").astype(str))
 
 # %% [markdown]
-# First, the helpers. `Processes` says how many processes train: here one, which trains
-# on every batch with `run_epoch`. Appendix C swaps in several without touching the loop.
+# `Processes` is one process here; Appendix C swaps in several without touching the loop.
 #
 # An epoch's batches are cut by sentence length only, so every epoch holds as many
 # batches, and the run's number of optimizer steps, where the linear schedule reaches
