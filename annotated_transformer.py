@@ -181,12 +181,12 @@ def set_seed(seed: int) -> None:
 # usually shorter than the vectors are wide (about 15 tokens here, against the base
 # model's 512), so by this count it is the cheapest layer; for inputs longer than the
 # vectors are wide, the square makes it costlier than recurrence. The table leaves out the
-# products around each layer (attention's four projections, which Part 1 builds, add
-# $4 \cdot n \cdot d^2$); with them, both are of the order of $n \cdot d^2$ at such
-# lengths. Against recurrence attention wins both last columns: nothing waits, and a short
-# path keeps a signal that many steps would fade. Convolutional translators (ByteNet,
-# ConvS2S) had already stopped the waiting, but linked distant words only through a stack
-# of layers (§2).
+# products around each layer (attention's four projections add $4 \cdot n \cdot d^2$);
+# with them, attention and recurrence are both of the order of $n \cdot d^2$ at such
+# lengths. Against recurrence attention wins both last columns: in training nothing waits,
+# and a short path keeps a signal that many steps would fade. Convolutional translators
+# (ByteNet, ConvS2S) had already stopped the waiting, but linked distant words only
+# through a stack of layers (§2).
 #
 # The Transformer is "the first transduction model relying entirely on self-attention
 # to compute representations of its input and output without using sequence-aligned RNNs

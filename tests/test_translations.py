@@ -4,6 +4,7 @@ code, its catalogue current, its terms the glossary's, its links and formulas in
 `test_the_catalogue_is_fully_translated` and `test_the_glossary_terms_are_used` are the gate:
 they fail until every entry of locale/zh_CN is translated and current."""
 
+import ast
 import csv
 import json
 import re
@@ -16,6 +17,8 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import translations as tr  # noqa: E402
+
+import plumbing  # noqa: E402
 
 GLOSSARY = tr.LOCALE / "glossary.tsv"
 
@@ -384,3 +387,14 @@ def test_the_modules_speak_the_notebooks_language():
     finally:
         plumbing.use_language("en")
     assert plumbing.say("loaded {path}", path="x/last.pt") == "loaded x/last.pt"
+
+
+def test_a_label_with_commas_between_its_words_is_prose():
+    """A printed label whose words stand apart by commas, such as
+    f"{n:,} parameters, {m} epochs, in {folder}", reaches the catalogue, and the run's key
+    masks it as it masks any prose; a name or a setting stays code."""
+    label = ast.parse('f"{n:,} parameters, {m} epochs, in {folder}"', mode="eval").body
+    assert plumbing.canonical(label).startswith("Prose(")
+    assert tr.PROSE.search(" parameters,  epochs, in ") and tr.PROSE.search("loss; accuracy")
+    for code in ("d_model", "train.de.gz", "fp32", "cpu-820d2db5", "a", "x, y"):
+        assert not tr.PROSE.search(code), code
