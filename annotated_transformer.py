@@ -1930,8 +1930,8 @@ def translate(
 #   at most as often as the reference has it;
 # * times a penalty for being too short.
 #
-# Tokenization and casing moved BLEU by up to 1.8 points between common setups (Post, 2018),
-# so we follow the standard:
+# Reference tokenization and normalisation moved BLEU by up to 1.8 points between common
+# setups (Post, 2018), so we follow the standard:
 #
 # * *sacreBLEU*, on detokenized output;
 # * case-sensitive, against the raw references;

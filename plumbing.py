@@ -245,8 +245,8 @@ def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str
 PROJECT = Path(__file__).resolve().parent  # where the lesson's modules live
 
 
-# A message, title or label (two words apart by a space, a comma or a semicolon between them
-# allowed: " parameters, in "; or Chinese) is prose: the Chinese notebook translates it
+# A message, title or label (two words apart by a space, a comma, semicolon or colon between
+# them allowed: " parameters, in "; or Chinese) is prose: the Chinese notebook translates it
 # (tools/translations.py), and neither edition's wording changes what training computes, so
 # a run's key leaves it out.
 PROSE = r"[A-Za-z]{2,}[,;:]?\s+[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]"
