@@ -167,6 +167,8 @@ def set_seed(seed: int) -> None:
 # decoder looks back at every source word's state as it writes (Bahdanau et al., 2014). The
 # recurrence stayed, so training cannot compute a sentence's positions in parallel, and two
 # distant words of one sentence are linked only through every state in between.
+# *Self-attention*, the Transformer's answer, links them directly: each word of a sentence
+# looks up every word of the same sentence.
 #
 # **Why attention pays** (§4, Table 1). For a sentence of $n$ words, each a vector of
 # width $d$:
@@ -1820,12 +1822,11 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
 # assert efficiency > 0.9
 
 # %% [markdown]
-# There are two sets of names, on purpose:
+# Two sets of names, on purpose:
 #
 # * `raw`, `tokens`, `vocabs` and `full_train`, above, hold the whole of Multi30k;
-# * `data`, below, holds what this run's preset trains and scores on: the same sentences
-#   under cpu and gpu, only the first 2,000 training pairs and 100 of each other split
-#   under smoke.
+# * `data`, below, holds what this preset trains and scores on: under smoke, only the
+#   first 2,000 training pairs and 100 of each other split.
 
 # %% active="ipynb"
 # data = prepare_data(settings)
@@ -3368,10 +3369,8 @@ def modern_model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 # that layer's cache (the "KV cache"), and its query attends to all of it, unmasked, as
 # all of it is past.
 #
-# The cache keeps keys and values already projected, so it needs the second half of
-# Part 1's multi-head attention alone. That is why Part 1 wrote it as a method of its
-# own: `attend` takes projected queries, keys and values, and `forward` is the
-# projections, then `attend`.
+# The cache holds projected keys and values, so it needs only the second half of Part 1's
+# multi-head attention: `attend`, which Part 1 wrote as a method of its own for this.
 #
 # The code is folded at the end of [Part 5](#Part-5:-translating-and-scoring), since the
 # core uses it.
