@@ -115,7 +115,11 @@ def titles(spec) -> str:
         return " ".join(titles(part) for part in spec)
     if not isinstance(spec, dict):
         return ""
-    found = [str(v) for k, v in spec.items() if k == "title"]
+    found = [
+        str(v.get("text", "") if isinstance(v, dict) else v)
+        for k, v in spec.items()
+        if k == "title"
+    ]
     return " ".join(found + [titles(v) for k, v in spec.items() if k != "title"])
 
 
@@ -149,44 +153,19 @@ NAMES |= {"Quantencomputer"}  # the German word of Part 7's own sentence that Mu
 
 def shown_in_charts(spec) -> list[str]:
     """The text a chart shows: its titles, its menus' labels, the field names that stand as
-    titles where a channel has none, and the values of the fields it draws as words (a
-    legend's entries, a nominal axis's labels, a tooltip's values; a boolean as true/false)."""
+    titles where a channel has none, and the words of the fields it draws (a legend's
+    entries, a nominal axis's labels, a tooltip's values; a boolean as true/false)."""
     rows = [row for data in spec.get("datasets", {}).values() for row in data]
-    shown: list[str] = []
-
-    def values(field):
-        found = [row[field] for row in rows if field in row]
-        return [
-            str(v).lower() if isinstance(v, bool) else v
-            for v in found
-            if not isinstance(v, (int, float)) or isinstance(v, bool)
-        ]
-
-    def walk(node):
-        if isinstance(node, list):
-            for part in node:
-                walk(part)
-        if not isinstance(node, dict):
-            return
-        for key, value in node.items():
-            if key == "title":
-                text = value.get("text", "") if isinstance(value, dict) else value
-                shown.extend(text if isinstance(text, list) else [str(text)])
-            elif key == "bind" and isinstance(value, dict):
-                shown.append(str(value.get("name", node.get("name", ""))))
-            elif key == "encoding":
-                for channel in value.values():
-                    for used in channel if isinstance(channel, list) else [channel]:
-                        if "field" in used:
-                            shown.extend(values(used["field"]))
-                            if "title" not in used:
-                                shown.append(used["field"])
-                walk(value)
-            else:
-                walk(value)
-
-    walk({k: v for k, v in spec.items() if k != "datasets"})
-    return [str(text) for text in shown]
+    shown = [titles({k: v for k, v in spec.items() if k != "datasets"})]
+    shown += [p["bind"].get("name", p["name"]) for p in spec.get("params", []) if "bind" in p]
+    for encoding in encodings(spec):
+        for channel in encoding.values():
+            for used in channel if isinstance(channel, list) else [channel]:
+                if "field" in used:
+                    field = used["field"]
+                    shown += [] if "title" in used else [field]
+                    shown += [r[field] for r in rows if isinstance(r.get(field), str | bool)]
+    return [str(t).lower() if isinstance(t, bool) else str(t) for t in shown]
 
 
 def shown_as_text(notebook) -> list[str]:
