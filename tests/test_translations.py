@@ -374,8 +374,6 @@ def test_every_message_of_the_modules_names_the_fields_it_fills():
 def test_the_modules_speak_the_notebooks_language():
     """The Chinese notebook asks for zh_CN; then a message is the catalogue's, its fields
     filled in; back in English, the English."""
-    import plumbing
-
     chinese = tr.cell_source(next(c for c in tr.load(tr.CHINESE)["cells"] if "use_language" in
                                   tr.cell_source(c)))  # fmt: skip
     assert 'plumbing.use_language("zh_CN")' in chinese
