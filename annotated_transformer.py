@@ -2176,26 +2176,26 @@ def model_for(settings: Settings, vocabs: dict) -> EncoderDecoder:
 
 # %% [markdown]
 # `validate` measures the validation loss, greedy BLEU and [the three watched
-# sentences](#Watch-it-learn). `average_last_epochs` loads the mean of the last epochs'
-# weights into the model (§6.1) and scores it the same way.
+# sentences](#Watch-it-learn). PyTorch's `AveragedModel` keeps the mean of the last epochs'
+# weights; `average_last_epochs` loads it into the model (§6.1) and scores it the same way.
 
 
 # %%
-def validate(model, data: Multi30k, settings, criterion, *, autocast, rank=0) -> dict:
-    """The validation loss; on rank 0 also greedy BLEU and the watched translations."""
+def validate(model, data: Multi30k, settings, criterion, *, autocast) -> dict:
+    """The validation loss, greedy BLEU and the watched translations."""
     device = next(model.parameters()).device
     batches = batches_for(data.val, data.vocabs["en"].pad_id, settings, device)
-    scores = {"val_loss": evaluate(batches, model, criterion, autocast=autocast)}
-    if rank == 0:
-        scores["val_bleu"] = validation_bleu(model, data)
-        scores["watched"] = watched_translations(model, data)
-    return scores
+    return {
+        "val_loss": evaluate(batches, model, criterion, autocast=autocast),
+        "val_bleu": validation_bleu(model, data),
+        "watched": watched_translations(model, data),
+    }
 
 
-def average_last_epochs(model, history: list[dict], folder: Path, last: int, scores) -> list:
-    """Load the mean of the last `last` epochs' weights; add its `scores()` to the history."""
-    epochs = [h["epoch"] for h in history[-last:]]
-    model.load_state_dict(trainer.average_of(folder, epochs))
+def average_last_epochs(model, history: list[dict], average, scores) -> list:
+    """Load the `average` of the last epochs' weights; add its `scores()` to the history."""
+    model.load_state_dict(average.module.state_dict())
+    epochs = [h["epoch"] for h in history[-int(average.n_averaged) :]]
     return [*history[:-1], history[-1] | {"averaged": {"epochs": epochs, **scores()}}]
 
 
@@ -2214,8 +2214,9 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
-    kept = {"model": model, "optimizer": optimizer, "schedule": schedule}
-    history = trainer.load_last(folder, kept, settings.epochs, rank=rank, world_size=world_size)
+    average = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)  # §6.1
+    kept = {"model": model, "optimizer": optimizer, "schedule": schedule, "average": average}
+    history = trainer.load_last(folder, kept, settings.epochs, world_size=world_size)
     learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, autocast=autocast)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
@@ -2227,13 +2228,12 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
         record = {"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - began,
                   "tokens": sum(b.ntokens for b in batches), "step": schedule.last_epoch,
                   "rate": schedule.get_last_lr()[0]}  # fmt: skip
-        history = [*history, record | scores(rank=rank)]
-        if rank == 0:
-            print(trainer.epoch_line(history[-1]))
-        trainer.keep_for_average(folder, model, epoch, settings.average_last, rank)
-        trainer.save_last(folder, kept, history, rank, world_size)
-    if rank == 0 and settings.average_last > 1 and "averaged" not in history[-1]:  # §6.1
-        history = average_last_epochs(model, history, folder, settings.average_last, scores)
+        history = [*history, record | scores()]
+        print(trainer.epoch_line(history[-1]))  # Appendix C: rank 0 alone prints
+        if epoch >= settings.epochs - settings.average_last:  # the last epochs, to average
+            average.update_parameters(model)
+        if epoch == settings.epochs - 1 and settings.average_last > 1:
+            history = average_last_epochs(model, history, average, scores)
         trainer.save_last(folder, kept, history, rank, world_size)
     return model, history
 
@@ -3004,8 +3004,8 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # Why equal shares? A rank one batch short would miss an all-reduce: the rest hang or fail.
 #
 # One optimizer step trains on $W$ ranks' batches, so the schedule moves $W$ steps at once.
-# Only rank 0 translates the validation set and writes the checkpoints. Part 6's loop does
-# not change: `DDPProcesses`, below, stands in for `Processes`.
+# Only rank 0 writes the checkpoints and prints. Part 6's loop does not change:
+# `DDPProcesses`, below, stands in for `Processes`.
 
 
 # %%

@@ -4,7 +4,7 @@
 the optimizer, the schedule (which counts the steps) and the history. At each epoch's end it hands
 them to `save_last`, and a rerun gets them back from `load_last`, the function beside it;
 the two are the checkpoint's format, and a finished run is simply one whose last.pt holds
-every epoch. Then come the weights kept for averaging, and the run's record (`run_record`).
+every epoch. Then comes the run's record (`run_record`).
 
 A run's folder (`run_folder`, named by what training reaches) comes from plumbing.py, like
 the files. This module imports plumbing and nothing else of the project:
@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from plumbing import (
-    RECORDED_ONLY,
     CheckpointError,
     differences,
     gather_from_ranks,
@@ -62,30 +61,23 @@ def seed_dropout(seed: int, epoch: int, rank: int) -> None:
 
 
 def manifest_of(folder: Path) -> dict:
-    """The run's manifest.json ({} if it has none)."""
+    """What the run in `folder` is made of: its manifest.json ({} if it has none)."""
     path = Path(folder) / "manifest.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def made_of(folder: Path) -> dict:
-    """What the run in `folder` is made of (its manifest), but for what only is recorded:
-    Python's version and torch's build."""
-    return {k: v for k, v in manifest_of(folder).items() if k not in RECORDED_ONLY}
-
-
 def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1) -> None:
-    """Write last.pt: the loop's `kept` objects (model, optimizer, schedule), its history,
-    how many processes trained, and what the run is made of. Every rank calls it after each
-    epoch, rank 0 alone after the averaging; rank 0 writes."""
+    """Write last.pt: the state of each of the loop's `kept` objects (model, optimizer,
+    schedule, and the running average where the run averages), its history, how many
+    processes trained, and what the run is made of. Every rank calls it after each epoch;
+    rank 0 writes."""
     if rank == 0:
-        save_checkpoint(
-            Path(folder) / "last.pt", model=kept["model"].state_dict(),
-            optimizer=kept["optimizer"].state_dict(), schedule=kept["schedule"].state_dict(),
-            history=history, processes=world_size, made_of=made_of(folder),
-        )  # fmt: skip
+        states = {name: kept_object.state_dict() for name, kept_object in kept.items()}
+        save_checkpoint(Path(folder) / "last.pt", **states, history=history,
+                        processes=world_size, made_of=manifest_of(folder))  # fmt: skip
 
 
-def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) -> list[dict]:
+def load_last(folder: Path, kept: dict, epochs: int, *, world_size=1) -> list[dict]:
     """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
     history so far ([] if no epoch has finished, all `epochs` records if the run has)."""
     path = Path(folder) / "last.pt"
@@ -101,10 +93,9 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
             )
         )
     if checkpoint is None:
-        if rank == 0:
-            print(starting_line(folder))
+        print(starting_line(folder))
         return []
-    check_made_of(checkpoint, folder, path)
+    check_made_of(checkpoint, kept, folder, path)
     finished = len(checkpoint["history"]) >= epochs  # loads on any number of processes
     if checkpoint["processes"] != world_size and not finished:
         raise CheckpointError(
@@ -117,11 +108,10 @@ def load_last(folder: Path, kept: dict, epochs: int, *, rank=0, world_size=1) ->
             )
         )
     load_weights(kept["model"], checkpoint["model"], path)
-    kept["optimizer"].load_state_dict(checkpoint["optimizer"])
-    kept["schedule"].load_state_dict(checkpoint["schedule"])
+    for name in kept.keys() - {"model"}:  # the optimizer, the schedule, the average
+        kept[name].load_state_dict(checkpoint[name])
     epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
-    if rank == 0:  # once, not once per process
-        print(resumed_line(folder, path, finished, epoch, step))
+    print(resumed_line(folder, path, finished, epoch, step))
     return checkpoint["history"]
 
 
@@ -157,10 +147,10 @@ def starting_line(folder: Path) -> str:
     return say("training into {folder}", folder=folder)
 
 
-def check_made_of(checkpoint: dict, folder: Path, path: Path) -> None:
+def check_made_of(checkpoint: dict, kept: dict, folder: Path, path: Path) -> None:
     """Stop in one line if a checkpoint is not save_last's (a key is missing), or was trained
     on other data, settings or code than its folder names (a file copied by hand)."""
-    if not {"model", "optimizer", "schedule", "history", "processes", "made_of"} <= set(checkpoint):
+    if not {*kept, "history", "processes", "made_of"} <= set(checkpoint):
         raise CheckpointError(
             say(
                 "{path} does not say what it was trained on (an older or hand-made file): move "
@@ -168,7 +158,7 @@ def check_made_of(checkpoint: dict, folder: Path, path: Path) -> None:
                 path=path,
             )
         )
-    changed = differences(checkpoint["made_of"], made_of(folder))
+    changed = differences(checkpoint["made_of"], manifest_of(folder))
     if changed:
         raise CheckpointError(
             say(
@@ -194,26 +184,6 @@ def load_weights(model: nn.Module, weights: dict, path: Path) -> None:
                 problem=problem[:120],
             )
         ) from None
-
-
-# ---------------------------------------------------------------------------------------
-# The weights kept to average
-
-
-def keep_for_average(folder: Path, model: nn.Module, epoch: int, average_last: int,
-                     rank: int = 0) -> None:  # fmt: skip
-    """Keep the last `average_last` epochs' weights (a rolling set of files); none if the
-    run does not average (average_last 1). Rank 0 writes."""
-    if average_last < 2 or rank != 0:
-        return
-    save_checkpoint(Path(folder) / f"epoch-{epoch}.pt", model=model.state_dict())
-    (Path(folder) / f"epoch-{epoch - average_last}.pt").unlink(missing_ok=True)
-
-
-def average_of(folder: Path, epochs: list[int]) -> dict:
-    """The element-wise mean of the weights kept for `epochs` (§6.1)."""
-    weights = [read_checkpoint(Path(folder) / f"epoch-{e}.pt")["model"] for e in epochs]
-    return {name: sum(w[name] for w in weights) / len(weights) for name in weights[0]}
 
 
 # ---------------------------------------------------------------------------------------

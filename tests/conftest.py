@@ -303,6 +303,16 @@ def train_as_the_notebook(settings, data, data_dir, namespace=None, *, device=CP
     return model, history, folder
 
 
+def loop_objects(settings, vocabs) -> dict:
+    """What train keeps in last.pt, fresh: the model, optimizer, schedule and average."""
+    import annotated_transformer as at
+
+    model = at.model_for(settings, vocabs)
+    optimizer, schedule = at.make_optimizer(model, settings, total_steps=100)
+    average = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)
+    return {"model": model, "optimizer": optimizer, "schedule": schedule, "average": average}
+
+
 # --- the tiny model and settings that many tests share, and comparing weights --------------
 
 TINY_MODEL = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     ROOT,
     assert_same_weights,
+    loop_objects,
     multi30k_folder,
     quick_settings,
     tiny_data,
@@ -91,23 +92,18 @@ def test_a_run_stopped_after_its_first_epoch_resumes_to_the_same_weights(
 
 
 @pytest.mark.slow
-def test_a_run_stopped_after_its_last_epoch_averages_when_run_again(quick_data, tmp_path):
-    """Stopped between the last epoch's last.pt and the averaging: the rerun trains no epoch
-    and still averages and scores, as an uninterrupted run does."""
+def test_a_run_stopped_while_averaging_averages_the_same_epochs_again(quick_data, tmp_path):
+    """Stopped after the first of the two epochs it averages: last.pt holds the average so
+    far, and the rerun adds the last epoch to it and scores the same mean as an
+    uninterrupted run."""
     settings = dataclasses.replace(TWO_EPOCHS, average_last=2)
     straight, straight_history, _ = train_as_the_notebook(settings, quick_data, tmp_path / "a")
-    with stopped_after_saving(epoch=1):
+    with stopped_after_saving(epoch=0):
         train_as_the_notebook(settings, quick_data, tmp_path / "b")
     resumed, history, _ = train_as_the_notebook(settings, quick_data, tmp_path / "b")
     assert_same_weights(straight, resumed)
     assert history[-1]["averaged"] == straight_history[-1]["averaged"]
-
-
-def loop_objects(settings, vocabs) -> dict:
-    """What train keeps in last.pt, fresh: the model, optimizer and schedule."""
-    model = at.model_for(settings, vocabs)
-    optimizer, schedule = at.make_optimizer(model, settings, total_steps=100)
-    return {"model": model, "optimizer": optimizer, "schedule": schedule}
+    assert history[-1]["averaged"]["epochs"] == [0, 1]
 
 
 def test_a_finished_run_round_trips_and_a_damaged_checkpoint_is_refused(tmp_path, capsys):
@@ -240,7 +236,7 @@ def same_outputs(straight_out, resumed_out) -> list:
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_rerun_is_bit_identical_averaging_included(quick_data, tmp_path):
     """Killed in the middle of its last epoch, a run goes on from the last finished epoch
-    (its last.pt, and the epoch files kept to average) and ends bit-identical to an
+    (its last.pt, with the average so far) and ends bit-identical to an
     uninterrupted run: weights, losses, BLEU and the averaged model's scores."""
     straight, straight_out = run_child(tmp_path, tmp_path / "straight", 0)
     assert straight.returncode == 0, straight.stderr[-2000:]
@@ -254,7 +250,7 @@ def test_sigkill_mid_epoch_then_rerun_is_bit_identical_averaging_included(quick_
     folder = plumbing.run_folder(KILLED, quick_data, vars(at), tmp_path / "killed")
     last = read_checkpoint(folder / "last.pt")
     assert len(last["history"]) == 2 and last["schedule"]["last_epoch"] == 2 * steps // 3
-    assert (folder / "epoch-1.pt").is_file() and not (folder / "epoch-2.pt").exists()
+    assert last["average"]["n_averaged"] == 1  # epoch 1 of the last two, averaged so far
 
     resumed, resumed_out = run_child(tmp_path, tmp_path / "killed", 0)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

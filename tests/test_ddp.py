@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import stopping_jobs
 import torch
-from conftest import CPU, ROOT, assert_same_weights, prepared_data, tiny_data, tiny_settings
+from conftest import (
+    CPU,
+    ROOT,
+    assert_same_weights,
+    loop_objects,
+    prepared_data,
+    tiny_data,
+    tiny_settings,
+)
 
 import annotated_transformer as at
 import plumbing
@@ -308,9 +316,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=2)
 
     def kept() -> dict:
-        model = at.model_for(settings, tiny_data().vocabs)
-        optimizer, schedule = at.make_optimizer(model, settings)
-        return {"model": model, "optimizer": optimizer, "schedule": schedule}
+        return loop_objects(settings, tiny_data().vocabs)
 
     written = kept()
     written["schedule"].last_epoch = 3

@@ -391,7 +391,7 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_and_stays(quick_data, 
     weights = at.model_for(wider if other == "wider" else SETTINGS, quick_data.vocabs).state_dict()
     if other == "missing keys":
         weights = {k: v for k, v in weights.items() if "generator" not in k}
-    made_of = trainer.made_of(folder)  # the file says it belongs here: only its shapes differ
+    made_of = trainer.manifest_of(folder)  # the file says it belongs here: only its shapes differ
     kept = {"optimizer": {}, "schedule": {}, "history": [{"epoch": 0}], "processes": 1}
     plumbing.save_checkpoint(folder / "last.pt", model=weights, made_of=made_of, **kept)
     before = (folder / "last.pt").read_bytes()

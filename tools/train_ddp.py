@@ -45,6 +45,8 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     import torch.distributed as dist
 
     use_language(os.environ.get("AT_LANGUAGE", "en"))  # the notebook's, which started us
+    if rank != 0:  # rank 0 alone prints what train says: one line per epoch, not one per rank
+        sys.stdout = open(os.devnull, "w")  # open until the process ends
     settings = twin.Settings(**settings_fields)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # on this machine
     device = device_for(int(os.environ.get("LOCAL_RANK", rank)), local_world_size)
