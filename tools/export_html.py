@@ -4,9 +4,9 @@ nbconvert's page loads require.js and MathJax from a CDN, and it cannot draw Alt
 Vega-Lite outputs at all. This script makes the page self-contained: formulas become
 MathML (which browsers draw natively), every chart becomes a vega-embed call, the
 Vega, Vega-Lite and vega-embed scripts (bundled by vl-convert) are inlined once,
-images that markdown cells link by a relative path (figures/*.svg) become data: URIs,
-images from the network (a badge) become their alt text, and the code of cells tagged
-`hide-input` is folded into a <details> block ("show code").
+images that markdown cells link by a relative path (figures/*.svg) become data: URIs
+(any other image stops the export: offline, it would be broken), and the code of cells
+tagged `hide-input` is folded into a <details> block ("show code").
 
 The page's language is the notebook's `lang` metadata (the Chinese edition says `zh-CN`),
 else English: `<html lang>`, the fold's label, and for Chinese a CJK font stack of fonts
@@ -42,11 +42,9 @@ MATH_TOKEN = re.compile(r"MATHTOKEN(\d+)X")
 # Altair's HTML output ends by calling its loader with the spec: })({...spec...}, {"mode": ...
 ALTAIR_HTML = re.compile(r'altair-viz-.*\}\)\((\{.*\}), \{"mode": "vega-lite"\}\);', re.DOTALL)
 REMOTE_SCRIPT = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>')
-# An <img> whose src has no scheme (no data:, no https:) is a file the page would need.
-LOCAL_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="(?![a-zA-Z][a-zA-Z0-9+.-]*:)([^"]*)"')
-# An <img> from the network (the Colab badge): offline it would be a broken image.
-REMOTE_IMAGE = re.compile(r'<img\b[^>]*?\ssrc="https?://[^"]*"[^>]*>')
-ALT = re.compile(r'\salt="([^"]*)"')
+# After nbconvert has embedded the images, an <img> whose src is not a data: URI is a file
+# it could not find or an image from the network: offline, a broken image either way.
+NOT_EMBEDDED = re.compile(r'<img\b[^>]*?\ssrc="(?!data:)([^"]*)"')
 # What the page says in each edition's language: the label of a folded cell and, for
 # Chinese, the fonts of its prose and interface (code keeps JupyterLab's monospace stack).
 SHOW_CODE = {"en": "show code", "zh-CN": "显示代码"}
@@ -55,12 +53,6 @@ FONTS = {
     "zh-CN": f"<style>:root {{ --jp-ui-font-family: {CJK_FONTS}; "
     f"--jp-content-font-family: {CJK_FONTS}; }}</style>\n"
 }
-
-
-def image_to_text(match: re.Match) -> str:
-    """A remote image becomes its alt text, so a badge's link still reads "Open In Colab"."""
-    alt = ALT.search(match.group(0))
-    return alt.group(1) if alt else ""
 
 
 def math_to_tokens(markdown: str, formulas: list[str]) -> str:
@@ -136,20 +128,6 @@ def fold_hidden_inputs(page: BeautifulSoup, label: str = SHOW_CODE["en"]) -> Non
         details.insert(0, summary)
 
 
-def fold_markdown_notes(page: BeautifulSoup) -> None:
-    """Put the rest of a markdown cell inside the <details> that opens a folded note.
-
-    A note is written in markdown as `<details><summary>...</summary>`, the note's
-    paragraphs, then `</details>` at the end of its cell. nbconvert parses each HTML
-    block of a markdown cell on its own, so the <details> comes out closed at once, the
-    paragraphs follow it and the closing tag is dropped; this puts them back inside."""
-    for details in page.select("div.jp-RenderedMarkdown details"):
-        if any(child.name not in (None, "summary") for child in details.children):
-            continue  # it already holds its note
-        for sibling in list(details.next_siblings):
-            details.append(sibling.extract())
-
-
 def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     """Write the offline page for `source` to `target`; return the number of charts.
 
@@ -167,13 +145,15 @@ def export(source: Path, target: Path, base: Path = PROJECT) -> int:
     # embed_images: nbconvert replaces <img src=...> and ![...](...) in markdown by data: URIs
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     body, _ = exporter.from_notebook_node(notebook, {"metadata": {"path": str(base)}})
-    if missing := LOCAL_IMAGE.findall(body):  # nbconvert leaves a file it cannot find
-        raise FileNotFoundError(f"images not found under {base}: {', '.join(missing)}")
-    body = REMOTE_IMAGE.sub(image_to_text, REMOTE_SCRIPT.sub("", body))
+    if missing := NOT_EMBEDDED.findall(body):
+        raise FileNotFoundError(
+            f"images the offline page cannot hold (not found under {base}, or on the "
+            f"network): {', '.join(missing)}; put them in figures/"
+        )
+    body = REMOTE_SCRIPT.sub("", body)
     body = MATH_TOKEN.sub(lambda m: formulas[int(m.group(1))], body)
     page = BeautifulSoup(body, "html.parser")  # parsed once: seconds for this page
     fold_hidden_inputs(page, SHOW_CODE.get(lang, SHOW_CODE["en"]))
-    fold_markdown_notes(page)
     body = str(page)
     body = body.replace('<html lang="en">', f'<html lang="{lang}">', 1)
     body = body.replace("</head>", f"{FONTS.get(lang, '')}</head>", 1)  # after the lab's CSS

@@ -8,6 +8,7 @@ straight through to this terminal as it arrives.
 """
 
 import argparse
+import datetime
 import re
 import sys
 import time
@@ -18,8 +19,6 @@ import papermill
 from papermill.engines import NBClientEngine, papermill_engines
 from traitlets.config import Config
 
-HEADING = re.compile(r"^(#{2,3})\s+(.+)$", re.MULTILINE)
-
 
 def sections(notebook) -> list[str]:
     """For each cell, the "Part › section" headings it sits under."""
@@ -27,18 +26,13 @@ def sections(notebook) -> list[str]:
     found = []
     for cell in notebook.cells:
         if cell.cell_type == "markdown":
-            for hashes, title in HEADING.findall(cell.source):
+            for hashes, title in re.findall(r"^(#{2,3})\s+(.+)$", cell.source, re.MULTILINE):
                 if len(hashes) == 2:
                     part, section = title.strip(), ""
                 else:
                     section = title.strip()
         found.append(" › ".join(t for t in (part, section) if t))
     return found
-
-
-def clock(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
 class ProgressEngine(NBClientEngine):
@@ -56,7 +50,7 @@ class ProgressEngine(NBClientEngine):
             title = titles[cell_index] if cell_index is not None else ""
             if title != shown["title"]:
                 shown["title"] = title
-                elapsed = clock(time.monotonic() - start)
+                elapsed = datetime.timedelta(seconds=int(time.monotonic() - start))
                 print(f"[{elapsed}] cell {shown['code']}/{code_cells}  {title}", flush=True)
             return started(cell, cell_index, **more)
 
@@ -91,7 +85,8 @@ def main() -> None:
         # has no reason to warn that its TCP traffic is unencrypted.
         config=Config({"KernelManager": {"transport": "ipc"}}),
     )
-    print(f"[{clock(time.monotonic() - start)}] done: executed notebook in {args.target}")
+    elapsed = datetime.timedelta(seconds=int(time.monotonic() - start))  # 0:17:33
+    print(f"[{elapsed}] done: executed notebook in {args.target}")
 
 
 if __name__ == "__main__":
