@@ -1893,26 +1893,21 @@ def without_words(scorer, banned: list[int]):
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
-def translate(
-    model, sources, vocabs, *, search=None, cached=True, chunk_size=100,
-    allow_unk=False, pieces=False, longer_by=50,
-):  # fmt: skip
-    """Translate id lists (<s> ... </s>) into English token lists, chunk_size at a time."""
-    # pieces: return a sub-word vocabulary's pieces instead of whole words. longer_by: how
-    # many tokens longer than its longest source a chunk's outputs may grow (§6.1: 50)
+def translate(model, sources, vocabs, *, search=None, cached=True, pieces=False):
+    """Translate id lists (<s> ... </s>) into English token lists, 100 at a time."""
+    # pieces: return a sub-word vocabulary's pieces instead of whole words
     device, limit = next(model.parameters()).device, positions_of(model)
     en, pad, ids = vocabs["en"], vocabs["de"].pad_id, vocabs["en"].special_ids()
-    banned = [] if allow_unk else [en.unk_id]
-    scorer = without_words(CachedPrefix if cached else FullPrefix, banned)
+    scorer = without_words(CachedPrefix if cached else FullPrefix, [en.unk_id])
     sources = cut_to_length(sources, limit)
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[str]] = [[] for _ in sources]
-    for start in range(0, len(order), chunk_size):
-        chunk = order[start : start + chunk_size]
+    for start in range(0, len(order), 100):
+        chunk = order[start : start + 100]
         chunk_ids = [torch.tensor(sources[i]) for i in chunk]
         src = nn.utils.rnn.pad_sequence(chunk_ids, batch_first=True, padding_value=pad).to(device)
         src_mask = (src != pad).unsqueeze(-2)
-        cap = min(src.size(1) + longer_by, limit)  # the longest output, <s> included
+        cap = min(src.size(1) + 50, limit)  # at most 50 longer than the source (§6.1)
         out = (search or greedy_decode)(model, src, src_mask, cap, ids=ids, scorer=scorer)
         for i, row in zip(chunk, out.tolist(), strict=True):
             words = [w for w in row[1:] if w != ids.pad]

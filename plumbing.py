@@ -368,7 +368,6 @@ def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
     may compute otherwise."""
     vocabs = data.vocabs
     return {
-        "preset": settings.name,
         "settings": {
             k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_TRAINING
         },
@@ -435,9 +434,8 @@ def what_changed(folder: Path) -> str:
     if not (folder / "manifest.json").is_file():
         return ""
     mine = json.loads((folder / "manifest.json").read_text())
-    others = [
-        m for m in folder.parent.glob(f"{mine['preset']}-*/manifest.json") if m.parent != folder
-    ]
+    preset = folder.name.rsplit("-", 1)[0]  # of <preset>-<8 hex digits>
+    others = [m for m in folder.parent.glob(f"{preset}-*/manifest.json") if m.parent != folder]
     if not others:
         return ""
     return differences(mine, json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text()))

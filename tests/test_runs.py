@@ -62,7 +62,7 @@ def test_an_edited_attention_is_the_one_that_trains(quick_data, tmp_path, monkey
     assert calls["training"] > 0 and calls["other"] > 0  # training and validation used it
     assert edited_folder != folder and not same_weights(model, edited_model)
     manifest = json.loads((edited_folder / "manifest.json").read_text())
-    assert set(manifest) == {"preset", "settings", "data", "code", "torch", "torch build", "python"}
+    assert set(manifest) == {"settings", "data", "code", "torch", "torch build", "python"}
     assert "attention" in manifest["code"] and "run_epoch" in manifest["code"]
     assert "trainer.save_last" in manifest["code"] and "trainer.save_checkpoint" in manifest["code"]
 

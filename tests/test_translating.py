@@ -493,22 +493,23 @@ def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, c
 # --- the ban on <unk>, on both decoders ---------------------------------------------------
 
 
-def test_translate_never_writes_unk_unless_allowed(quick_data):
+def test_translate_never_writes_unk_where_the_model_would(quick_data):
     at.set_seed(0)
     model = at.model_for(quick_settings(), quick_data.vocabs).eval()
     en = quick_data.vocabs["en"]
     with torch.no_grad():
         model.generator.proj.bias[en.unk_id] = 100.0  # <unk> is by far the likeliest word
     sources = [src for src, _ in quick_data.val[:6]]
+    src = torch.tensor([sources[0]])
+    src_mask = (src != quick_data.vocabs["de"].pad_id).unsqueeze(-2)
 
     def search(beam: int):
         return at.greedy_decode if beam == 1 else at.beam_searcher(beam, 0.6)
 
     for beam in (1, 3):
-        allowed = at.translate(
-            model, sources, quick_data.vocabs, search=search(beam), allow_unk=True
-        )
-        assert all(tokens and set(tokens) == {"<unk>"} for tokens in allowed)
+        # the decoder alone, with no word banned, writes nothing but <unk>
+        unbanned = search(beam)(model, src, src_mask, 8, ids=en.special_ids())
+        assert set(unbanned[0, 1:].tolist()) == {en.unk_id}
         banned = at.translate(model, sources, quick_data.vocabs, search=search(beam))
         assert all("<unk>" not in tokens for tokens in banned)
         # the ban works on both decoders (their words are not compared: an untrained
