@@ -28,7 +28,6 @@ from torch import nn
 from plumbing import (
     CheckpointError,
     differences,
-    gather_from_ranks,
     gpu_report,
     peak_memory_gb,
     read_checkpoint,
@@ -81,20 +80,14 @@ def load_last(folder: Path, kept: dict, epochs: int, *, world_size=1) -> list[di
     """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
     history so far ([] if no epoch has finished, all `epochs` records if the run has)."""
     path = Path(folder) / "last.pt"
-    checkpoint = read_checkpoint(path) if path.is_file() else None
-    done = gather_from_ranks(len(checkpoint.get("history", [])) if checkpoint else None)
-    if len(set(done)) > 1:  # a rank on a machine of its own would start afresh and hang
-        raise CheckpointError(
-            say(
-                "the ranks see different checkpoints in {folder} (finished epochs by rank, None "
-                "for none: {epochs}): put data/ on a filesystem that every machine shares",
-                folder=folder,
-                epochs=done,
-            )
-        )
-    if checkpoint is None:
-        print(starting_line(folder))
+    if not path.is_file():  # a run that starts from nothing: where, and what changed
+        if changed := what_changed(folder):
+            print(say("trained before with {changed}; training anew into {folder}",
+                      changed=changed, folder=folder))  # fmt: skip
+        else:
+            print(say("training into {folder}", folder=folder))
         return []
+    checkpoint = read_checkpoint(path)
     check_made_of(checkpoint, kept, folder, path)
     finished = len(checkpoint["history"]) >= epochs  # loads on any number of processes
     if checkpoint["processes"] != world_size and not finished:
@@ -136,15 +129,6 @@ def resumed_line(folder: Path, path: Path, finished: bool, epoch: int, step: int
             here=torch.__version__,
         )
     return line
-
-
-def starting_line(folder: Path) -> str:
-    """What a run that starts from nothing prints: its folder, and what changed since the
-    run trained before with the same name, if one did."""
-    if changed := what_changed(folder):
-        return say("trained before with {changed}; training anew into {folder}",
-                   changed=changed, folder=folder)  # fmt: skip
-    return say("training into {folder}", folder=folder)
 
 
 def check_made_of(checkpoint: dict, kept: dict, folder: Path, path: Path) -> None:

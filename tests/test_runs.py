@@ -155,14 +155,13 @@ def test_a_helper_reached_only_inside_a_no_grad_function_is_followed(
 def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
     quick_data, tmp_path, monkeypatch
 ):
-    """trainer.load_last asks every rank how many epochs its checkpoint holds, with
-    plumbing.gather_from_ranks: its code counts."""
+    """trainer.save_last writes last.pt with plumbing.save_checkpoint: its code counts."""
     unedited = plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path)
     path = inspect.getsourcefile(plumbing)
     text = (ROOT / "plumbing.py").read_text(encoding="utf-8")
-    line = "    torch.distributed.all_gather_object(values, value)\n"
+    line = "    torch.save(content, buffer)\n"
     assert text.count(line) == 1
-    edited_text = text.replace(line, "    torch.distributed.all_gather_object(values, obj=value)\n")
+    edited_text = text.replace(line, "    torch.save(content, f=buffer)\n")
     lines = edited_text.splitlines(keepends=True)  # as many lines: the others stay in place
     monkeypatch.setitem(linecache.cache, path, (len(edited_text), None, lines, path))
     assert plumbing.run_folder(SETTINGS, quick_data, vars(at), tmp_path) != unedited

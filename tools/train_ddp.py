@@ -22,7 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import annotated_transformer as twin  # noqa: E402
 import plumbing  # noqa: E402
-from plumbing import code_reached, free_port, prepare_cpu_memory, use_language  # noqa: E402
+from plumbing import (  # noqa: E402
+    CheckpointError,
+    code_reached,
+    free_port,
+    gather_from_ranks,
+    prepare_cpu_memory,
+    read_checkpoint,
+    say,
+    use_language,
+)
 
 # What a DDP run trains with: the loop, and Appendix C's processes that it is given.
 ROOTS = ("train", "DDPProcesses")
@@ -35,6 +44,22 @@ def device_for(local_rank: int, local_world_size: int) -> torch.device:
     if torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def same_checkpoint_on_every_rank(folder: Path) -> None:
+    """Stop in one line unless every rank sees the same last.pt in `folder`: a rank on a
+    machine of its own would see none, start afresh, and the job would hang."""
+    path = folder / "last.pt"
+    done = gather_from_ranks(len(read_checkpoint(path)["history"]) if path.is_file() else None)
+    if len(set(done)) > 1:
+        raise CheckpointError(
+            say(
+                "the ranks see different checkpoints in {folder} (finished epochs by rank, None "
+                "for none: {epochs}): put data/ on a filesystem that every machine shares",
+                folder=folder,
+                epochs=done,
+            )
+        )
 
 
 def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str, port) -> None:
@@ -66,6 +91,7 @@ def ddp_worker(rank: int, world_size: int, settings_fields: dict, data_dir: str,
     if rank != 0:
         data = twin.prepare_data(settings, Path(data_dir))
     folder = plumbing.run_folder(settings, data, vars(twin), Path(data_dir), roots=ROOTS)
+    same_checkpoint_on_every_rank(folder)
     processes = twin.DDPProcesses(rank=rank, world_size=world_size)
     twin.train(settings, data, folder, device=device, processes=processes)
     dist.barrier()  # every rank is done with the group before any leaves it

@@ -124,7 +124,7 @@ PROSE = re.compile(PROSE_PATTERN)
 # The one change to code beyond prose: the language of the project's messages (plumbing.say).
 LANGUAGE = ('use_language("en")', 'use_language("zh_CN")')
 # The files whose messages (calls of plumbing.say) the catalogue translates, as "messages".
-MODULES = ("plumbing.py", "trainer.py", "presets.py")
+MODULES = ("plumbing.py", "trainer.py", "presets.py", "tools/train_ddp.py")
 # A comment or docstring with a word in it is for reading (a run's key ignores both), unless
 # it is only a tool's pragma.
 WORDS = re.compile(r"[A-Za-z]{2,}|[\u2e80-\u9fff\uff00-\uffef]")
