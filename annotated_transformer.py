@@ -167,8 +167,7 @@ def set_seed(seed: int) -> None:
 # decoder looks back at every source word's state as it writes (Bahdanau et al., 2014). The
 # recurrence stayed, so training cannot compute a sentence's positions in parallel, and two
 # distant words of one sentence are linked only through every state in between.
-# *Self-attention*, the Transformer's answer, links them directly: each word of a sentence
-# looks up every word of the same sentence.
+# *Self-attention*, the Transformer's answer, links them in one step.
 #
 # **Why attention pays** (§4, Table 1). For a sentence of $n$ words, each a vector of
 # width $d$:
@@ -181,8 +180,8 @@ def set_seed(seed: int) -> None:
 #
 # Attention's work grows with the square of a sentence's length, but sentences are
 # usually shorter than the vectors are wide (about 15 tokens here, against the base
-# model's 512), so by this count it is the cheapest layer; for inputs longer than the
-# vectors are wide, the square makes it costlier than recurrence. The table leaves out the
+# model's 512), so by this count it is the cheapest layer; for longer inputs the square
+# makes it costlier than recurrence. The table leaves out the
 # products around each layer (attention's four projections add $4 \cdot n \cdot d^2$);
 # with them, attention and recurrence are both of the order of $n \cdot d^2$ at such
 # lengths. Against recurrence attention wins both last columns: in training nothing waits,
@@ -199,7 +198,9 @@ def set_seed(seed: int) -> None:
 # weighted by how well its key matches the query, with weights that sum to 1. A small
 # change to the query changes the answer a little, so training can learn what to ask.
 # Below, "puppy" is none of the three keys, yet puts most weight on dog. The 4 scales the
-# scores up and so sharpens the softmax; Part 1 scales them down, by $1 / \sqrt{d_k}$.
+# scores up and so sharpens the softmax; Part 1 scales them down, by $1 / \sqrt{d_k}$. In
+# self-attention the queries, keys and values all come from one sentence: each word looks
+# up every word of it, itself included.
 
 # %% active="ipynb"
 # lookup = {"dog": 1.0, "cat": 2.0, "car": 3.0}
