@@ -167,7 +167,7 @@ def set_seed(seed: int) -> None:
 # decoder looks back at every source word's state as it writes (Bahdanau et al., 2014). The
 # recurrence stayed, so training cannot compute a sentence's positions in parallel, and two
 # distant words of one sentence are linked only through every state in between.
-# *Self-attention*, the Transformer's answer, links them in one step.
+# *Self-attention*, on which the Transformer relies entirely, links them in one step.
 #
 # **Why attention pays** (§4, Table 1). For a sentence of $n$ words, each a vector of
 # width $d$:
@@ -180,8 +180,8 @@ def set_seed(seed: int) -> None:
 #
 # Attention's work grows with the square of a sentence's length, but sentences are
 # usually shorter than the vectors are wide (about 15 tokens here, against the base
-# model's 512), so by this count it is the cheapest layer; for longer inputs the square
-# makes it costlier than recurrence. The table leaves out the
+# model's 512), so by this count it is the cheapest layer; for inputs longer than $d$
+# the square makes it costlier than recurrence. The table leaves out the
 # products around each layer (attention's four projections add $4 \cdot n \cdot d^2$);
 # with them, attention and recurrence are both of the order of $n \cdot d^2$ at such
 # lengths. Against recurrence attention wins both last columns: in training nothing waits,
@@ -197,10 +197,11 @@ def set_seed(seed: int) -> None:
 # the query, and fails on any other. Attention gives an average of the values, each
 # weighted by how well its key matches the query, with weights that sum to 1. A small
 # change to the query changes the answer a little, so training can learn what to ask.
-# Below, "puppy" is none of the three keys, yet puts most weight on dog. The 4 scales the
-# scores up and so sharpens the softmax; Part 1 scales them down, by $1 / \sqrt{d_k}$. In
-# self-attention the queries, keys and values all come from one sentence: each word looks
-# up every word of it, itself included.
+# Below, "puppy" is none of the three keys, yet puts most weight on dog. The 4 sharpens
+# the softmax; Part 1 scales the scores down, by $1 / \sqrt{d_k}$. In
+# self-attention the queries, keys and values are all learned projections of one
+# sentence's words: each word looks up the words of its own sentence (in the decoder,
+# only those up to itself).
 
 # %% active="ipynb"
 # lookup = {"dog": 1.0, "cat": 2.0, "car": 3.0}
@@ -2777,9 +2778,9 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
 # A word vocabulary cannot write a word it has not kept, which caps BLEU; the cell below
-# counts such test2016 reference tokens. That ends the lesson. The appendices go further,
-# each on its own: sub-words, how the cpu preset was chosen, several GPUs, the block that
-# today's language models use and how decoding is made fast. The last holds the exercises.
+# counts such test2016 reference tokens. The appendices go further: sub-words, how the cpu
+# preset was chosen, several GPUs, the block that today's language models use and how
+# decoding is made fast. The last holds the exercises.
 
 # %% active="ipynb"
 # references = english_tokens([en for _, en in data.test_text])
@@ -3114,7 +3115,7 @@ class DDPProcesses(Processes):
 # in four places: pre-norm, RMSNorm for LayerNorm, rotary embeddings for the sinusoids
 # added to the input, and a gated feed-forward layer, SwiGLU, for the ReLU one. The cpu
 # preset already normalises first (Part 1, after Xiong et al.); the other three are built
-# below from Part 1's classes.
+# below.
 
 # %% [markdown]
 # ### RMSNorm (Zhang and Sennrich, 2019)
