@@ -104,7 +104,7 @@ bench: setup
 
 # The pages, each from its own notebook's run: the English one from `make run`; the Chinese one
 # from `make run-zh` when that has run since the Chinese notebook last changed (a page built
-# from the English run would show English charts and printed lines). `make run` takes 17-24
+# from the English run would show English charts and printed lines). `make run` takes 17-31
 # minutes on 2 cores and running the Chinese notebook too would add minutes more, so the
 # Chinese run is its own command: it loads the model `make run` trained.
 html: setup

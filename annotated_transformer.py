@@ -2236,7 +2236,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
 
 
 # %% [markdown]
-# With the cpu preset this cell trains for 14-18 minutes on two cores: read on
+# With the cpu preset this cell trains for 14-25 minutes on two cores: read on
 # meanwhile. Interrupt the kernel and run the cell again, and it goes on from the last
 # finished epoch; a finished run loads in seconds. An edit to code that trains, such as
 # `attention`, trains a new model beside the old one, and `retrain=True` starts afresh.
@@ -2773,7 +2773,7 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
-# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 14-18 minutes.
+# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 14-25 minutes.
 # * **Model**: N = 6, $d_{\text{model}}$ = 512, post-norm. Here: smaller, pre-norm.
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
