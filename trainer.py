@@ -67,7 +67,7 @@ def manifest_of(folder: Path) -> dict:
 
 def save_last(folder: Path, kept: dict, history: list[dict], rank=0, world_size=1) -> None:
     """Write last.pt: the state of each of the loop's `kept` objects (model, optimizer,
-    schedule, and the running average where the run averages), its history, how many
+    schedule, and the running mean of the epochs averaged so far), its history, how many
     processes trained, and what the run is made of. Every rank calls it after each epoch;
     rank 0 writes."""
     if rank == 0:
