@@ -186,26 +186,17 @@ def epoch_line(record: dict) -> str:
 
 
 def run_record(model, history, settings, folder, test_results: dict, device) -> dict:
-    """The fields of build/results.json: the run's own settings beside its own history."""
-    train_seconds = sum(h["seconds"] for h in history)
+    """The fields of build/results.json: the run's own settings beside its own history (every
+    epoch's figures), its test BLEU, and what it ran on."""
     return {
-        "preset": settings.name,
-        "device": str(device),
-        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "epochs": len(history),
-        "train_seconds": train_seconds,
-        "train_tokens_per_second": sum(h["tokens"] for h in history) / max(train_seconds, 1e-9),
-        "val_loss": history[-1]["val_loss"],
-        "val_bleu_history": [h["val_bleu"] for h in history],
-        "watched": [h.get("watched") for h in history],
-        "precision": settings.precision,
-        "steps": history[-1]["step"],
-        "averaged": history[-1].get("averaged"),  # the model scored, if it averaged
         **test_results,
-        "history": history,
-        "settings": dataclasses.asdict(settings),
+        "train_seconds": sum(h["seconds"] for h in history),
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "device": str(device),
         "run_folder": str(folder),
         "peak_memory_gb": peak_memory_gb(),  # of this process (the kernel), so far
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
+        "settings": dataclasses.asdict(settings),
+        "history": history,
     }

@@ -268,7 +268,7 @@ def tiny_data():
     en_ids = vocabs["en"].encode(["A", "zebra", "runs", "."])
     pair = ([0, *de_ids, 1], [0, *en_ids, 1])
     text = [("Ein Zebra läuft.", "A zebra runs.")]
-    return at.Multi30k(vocabs, [pair], [pair], [pair], text, text, text)
+    return at.Multi30k(vocabs, [pair], [pair], [pair], text, text)
 
 
 # --- what many test files share: a quick preset, its data, and training it ----------------

@@ -53,11 +53,18 @@ def test_the_runs_steps_count_every_ranks_steps(quick_data):
 
 
 def test_a_linear_schedule_needs_room_after_the_warmup():
-    settings = at.Settings(name="t", d_model=16, warmup=50, schedule="linear")
-    for total in (None, 50):
-        with pytest.raises(ValueError, match="lower warmup or raise epochs"):
-            at.make_optimizer(nn.Linear(2, 2), settings, total_steps=total)
+    settings = at.Settings(name="t", d_model=16, warmup=50)
+    with pytest.raises(ValueError, match="lower warmup or raise epochs"):
+        at.make_optimizer(nn.Linear(2, 2), settings, total_steps=50)
     at.make_optimizer(nn.Linear(2, 2), settings, total_steps=51)  # one step after it will do
+
+
+def test_a_run_of_no_set_length_follows_the_papers_rate():
+    settings = at.Settings(name="t", d_model=16, warmup=50)
+    _, schedule = at.make_optimizer(nn.Linear(2, 2), settings)  # as the copy task trains
+    rate_of = schedule.lr_lambdas[0]
+    for step in (0, 49, 50, 1000):  # LambdaLR counts from 0, the paper from 1
+        assert rate_of(step) == at.rate(step + 1, d_model=16, warmup=50)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from tools import train_ddp
 
 DDP = train_ddp.ROOTS  # what DDP's workers train with, which names their run's folder
 
-TINY = tiny_settings(name="ddp-test", train_pairs=120, eval_pairs=10, batch_tokens=300, warmup=8)
+TINY = tiny_settings(name="ddp-test", train_pairs=120, eval_pairs=10, batch_tokens=300, warmup=1)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -76,7 +76,11 @@ def reference_training(settings, data, world_size):
     the pairs that the ranks' micro-batches of that step hold together."""
     at.set_seed(settings.seed)
     model = at.model_for(settings, data.vocabs)
-    optimizer, schedule = sgd_with_the_schedule(model, settings, ranks=world_size)
+    processes = at.DDPProcesses(rank=0, world_size=world_size)
+    total = at.total_steps(data.train, settings, processes)  # the ranks' schedule ends there
+    optimizer, schedule = sgd_with_the_schedule(
+        model, settings, total_steps=total, ranks=world_size
+    )
     en = data.vocabs["en"]
     criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)  # train's
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
@@ -313,7 +317,7 @@ def test_torchrun_entry_point_runs_two_processes(tmp_path, monkeypatch, multi30k
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, capsys):
     """A last.pt says how many processes trained it: on another number, the ranks would
     share out other batches, and no uninterrupted run would match; so it stops in one line."""
-    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=2)
+    settings = at.Settings(name="t", N=1, d_model=16, d_ff=32, h=2, epochs=2, warmup=1)
 
     def kept() -> dict:
         return loop_objects(settings, tiny_data().vocabs)

@@ -17,11 +17,10 @@ import annotated_transformer as at
     "change, message",
     [
         ({"precision": "bf61"}, "precision='bf61': use one of fp32, bf16"),
-        ({"schedule": "cosine"}, "schedule='cosine': use one of inverse_sqrt, linear"),
     ],
 )
 def test_a_setting_outside_its_values_is_refused_in_one_line(change, message):
-    """A misspelt precision or schedule stops at once, naming the setting and the values
+    """A misspelt precision stops at once, naming the setting and the values
     it takes, whether the settings are made or changed from a preset."""
     for make in (
         lambda: at.Settings(name="x", **change),
@@ -35,8 +34,6 @@ def test_a_setting_outside_its_values_is_refused_in_one_line(change, message):
 def test_every_value_a_setting_allows_is_accepted():
     for precision in ("fp32", "bf16"):
         assert at.Settings(name="x", precision=precision).precision == precision
-    for schedule in ("inverse_sqrt", "linear"):
-        assert at.Settings(name="x", schedule=schedule).schedule == schedule
 
 
 def test_evaluate_measures_the_mean_loss_per_real_target_token():
@@ -57,15 +54,13 @@ def test_evaluate_measures_the_mean_loss_per_real_target_token():
 
 
 def test_the_model_settings_travel_as_one_config_and_reach_every_layer():
-    config = at.ModelConfig(
-        N=2, d_model=16, d_ff=24, h=4, dropout=0.2, attention_dropout=0.3, pre_norm=True
-    )
+    config = at.ModelConfig(N=2, d_model=16, d_ff=24, h=4, dropout=0.2, pre_norm=True)
     model = at.make_model(11, 13, config)
     layers = [*model.encoder.layers, *model.decoder.layers]
     attentions = [m for m in model.modules() if isinstance(m, at.MultiHeadAttention)]
     sublayers = [m for m in model.modules() if isinstance(m, at.ResidualSublayer)]
     assert len(layers) == 4 and len(attentions) == 2 + 2 * 2  # encoder self; decoder self, cross
-    assert all(a.h == 4 and a.d_k == 4 and a.dropout.p == 0.3 for a in attentions)
+    assert all(a.h == 4 and a.d_k == 4 and a.dropout.p == 0.0 for a in attentions)
     assert len(sublayers) == 2 * 2 + 2 * 3
     assert all(s.pre_norm and s.dropout.p == 0.2 for s in sublayers)
     assert all(layer.feed_forward.linear1.out_features == 24 for layer in layers)

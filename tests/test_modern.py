@@ -110,8 +110,12 @@ def test_modernise_refuses_a_post_norm_model_in_one_line():
 
 
 def test_modernise_keeps_the_attention_dropout_it_replaces():
-    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, pre_norm=True, attention_dropout=0.25)
-    model = at.modernise(at.make_model(11, 11, config), 2, 32)
+    config = at.ModelConfig(N=1, d_model=16, d_ff=32, h=2, pre_norm=True)
+    model = at.make_model(11, 11, config)
+    for attention in model.modules():
+        if isinstance(attention, at.MultiHeadAttention):
+            attention.dropout.p = 0.25  # a model with dropout on its attention weights
+    model = at.modernise(model, 2, 32)
     turned = [layer.self_attn for layer in (*model.encoder.layers, *model.decoder.layers)]
     assert all(isinstance(block, at.RotaryAttention) for block in turned)
     assert [block.dropout.p for block in turned] == [0.25, 0.25]

@@ -292,8 +292,9 @@ def test_the_record_pairs_the_runs_own_settings_with_its_history(quick_data, tmp
         record = trainer.run_record(m, h, SETTINGS, folder, {"test_bleu": 1.0}, CPU)
         assert record["settings"] == dataclasses.asdict(SETTINGS)
         assert record["history"] == read_checkpoint(folder / "last.pt")["history"]
-        assert record["epochs"] == SETTINGS.epochs and record["test_bleu"] == 1.0
-        assert record["run_folder"] == str(folder) and record["steps"] == h[-1]["step"] > 0
+        assert len(record["history"]) == SETTINGS.epochs and record["test_bleu"] == 1.0
+        assert record["run_folder"] == str(folder) and h[-1]["step"] > 0
+        assert record["train_seconds"] == sum(epoch["seconds"] for epoch in h) > 0
         assert record["parameters"] == at.count_parameters(m)
 
 

@@ -25,7 +25,7 @@ import tune  # noqa: E402
         ("pre_norm=true", ("pre_norm", True)),  # bool
         ("pre_norm=False", ("pre_norm", False)),
         ("pre_norm=0", ("pre_norm", False)),
-        ("schedule=linear", ("schedule", "linear")),  # str
+        ("precision=bf16", ("precision", "bf16")),  # str, one of a Literal's values
     ],
 )
 def test_tune_types_a_change_by_its_field(text, change):
@@ -44,7 +44,7 @@ def test_tune_types_a_change_by_its_field(text, change):
         ("N=none", "'N=none': N takes an integer"),  # not optional
         ("lr_factor=half", "'lr_factor=half': lr_factor takes a number"),
         ("pre_norm=maybe", "'pre_norm=maybe': pre_norm takes true or false"),
-        ("schedule=cosine", "'schedule=cosine': schedule takes one of inverse_sqrt, linear"),
+        ("precision=fp16", "'precision=fp16': precision takes one of fp32, bf16"),
     ],
 )
 def test_tune_rejects_a_bad_change_in_one_line(text, message):

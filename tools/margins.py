@@ -49,7 +49,7 @@ def run_check(at, name: str, seed: int) -> dict:
 
         def reverse_batch(batch_size, length, generator):
             seq = at.copy_batch(batch_size, length, generator).src
-            return at.Batch(src=seq, tgt=reversed_words(seq), pad_id=at.COPY_PAD)
+            return at.Batch(src=seq, tgt=reversed_words(seq), pad_id=at.COPY_IDS.pad)
 
         def reversed_words(seq):
             return torch.cat([seq[:, :1], seq[:, 1:-1].flip(1), seq[:, -1:]], dim=1)
@@ -69,11 +69,11 @@ def run_check(at, name: str, seed: int) -> dict:
         return {"steps": steps, "passed": cached(model)}
     if name == "peeking":  # Part 3's experiment, as its cell measures it
         model, _ = at.train_copy_task(make_batch=at.without_causal_mask, max_steps=200, seed=seed)
-        criterion = at.LabelSmoothing(at.COPY_VOCAB, at.COPY_PAD, smoothing=0.0)
+        criterion = at.LabelSmoothing(at.COPY_VOCAB, at.COPY_IDS.pad, smoothing=0.0)
         unseen = torch.Generator().manual_seed(12345)
         loss = at.evaluate([at.without_causal_mask(100, 10, unseen)], model, criterion)
         sources = at.copy_batch(100, 10, unseen).src
-        mask = (sources != at.COPY_PAD).unsqueeze(-2)
+        mask = (sources != at.COPY_IDS.pad).unsqueeze(-2)
         decoded = at.greedy_decode(model, sources, mask, 12, ids=at.COPY_IDS)
         copied = [
             r[: sources.size(1)].tolist() == s.tolist()

@@ -1,7 +1,7 @@
 """Train the `cpu` preset with some settings changed and score it on the validation split.
 
     .venv/bin/python tools/tune.py lr_factor=0.35 epochs=10
-    .venv/bin/python tools/tune.py --label paper-schedule schedule=inverse_sqrt
+    .venv/bin/python tools/tune.py --label long-warmup warmup=800
     .venv/bin/python tools/tune.py train_pairs=5000 clip_norm=none pre_norm=true
 
 Each run trains with the notebook's own loop (`train`, from its `.py` twin) into its own
@@ -87,7 +87,7 @@ def main() -> None:
     search = at.beam_searcher(settings.beam_size, settings.length_penalty)
     beam = at.translate(model, [src for src, _ in data.val], data.vocabs, search=search)
     references = [en for _, en in data.val_text]
-    beam_bleu = at.bleu_scores(beam, references, at.english_tokens(references))["bleu"]
+    beam_bleu = at.bleu_scores(beam, references)["bleu"]
     record = {
         "label": label,
         "changes": changes,
