@@ -1442,7 +1442,6 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # | test2016 (flickr) | 1,000 | the final score, never a choice |
 
 # %%
-import io
 import json  # noqa: F401 (Part 7's record cell uses it; the .py twin keeps it as a comment)
 from collections import Counter
 from itertools import pairwise
@@ -1450,8 +1449,6 @@ from pathlib import Path
 from statistics import mean
 
 import spacy
-import subword_nmt.apply_bpe
-import subword_nmt.learn_bpe
 
 from plumbing import DataError, load_pairs, prepare_cpu_memory, write_atomically  # noqa: F401
 
@@ -1547,8 +1544,6 @@ SPECIALS = (BOS, EOS, PAD, UNK)
 class Vocab:
     """Token <-> id mapping; ids of the specials are attributes (bos_id, eos_id, ...)."""
 
-    merges = None  # a word vocabulary; SubwordVocab ("Sub-words", below) has BPE merges
-
     def __init__(self, itos: list[str]):
         if list(itos[: len(SPECIALS)]) != list(SPECIALS):
             raise DataError(f"a vocabulary must start with {SPECIALS}: rebuild it")
@@ -1556,14 +1551,6 @@ class Vocab:
         self.stoi = {token: i for i, token in enumerate(self.itos)}
         self.bos_id, self.eos_id = self.stoi[BOS], self.stoi[EOS]
         self.pad_id, self.unk_id = self.stoi[PAD], self.stoi[UNK]
-
-    def pieces(self, words: list[str]) -> list[str]:
-        """The units to look up for spaCy's tokens: here the words themselves."""
-        return words
-
-    def words(self, units: list[str]) -> list[str]:
-        """Undo pieces(): here nothing to undo."""
-        return units
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -1597,66 +1584,17 @@ def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
 # %% [markdown]
 # ### Sub-words (§5.1)
 #
-# The paper split rare words into pieces with byte-pair encoding (BPE), "a shared
-# source-target vocabulary of about 37000 tokens" (§5.1). No preset here does
-# (`bpe_merges=0`): in a short run whole words won. [Appendix A](#Appendix-A:-sub-words)
-# builds BPE; the folded cells hold what a preset with merges would use.
+# The paper split rare words into pieces with byte-pair encoding (BPE) (§5.1). No preset
+# here does: in a short run whole words won, so each language gets a vocabulary of its
+# words, 5,000 to 10,000, English fewer than German. [Appendix
+# A](#Appendix-A:-sub-words) builds BPE, and a joint vocabulary that `prepare_data` can
+# take instead.
 
 
-# %% jupyter={"source_hidden": true} tags=["hide-input"]
-SEPARATOR = "@@"  # ends every piece that the next piece continues: "Quant@@ en@@ computer"
-
-
-def learned_merges(train_tokens: dict, merges: int) -> list:
-    """subword-nmt's BPE merges of the training words of both languages."""
-    counts = Counter(t for lang in ("de", "en") for s in train_tokens[lang] for t in s)
-    lines = "".join(f"{t} {c}\n" for t, c in sorted(counts.items()) if t.strip() and " " not in t)
-    learned = io.StringIO()
-    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
-        subword_nmt.learn_bpe.learn_bpe(io.StringIO(lines), learned, merges, is_dict=True)
-    return [line.split() for line in learned.getvalue().splitlines()[1:]]  # after #version
-
-
-def bpe_splitter(merges: list, known: set | None = None) -> subword_nmt.apply_bpe.BPE:
-    """subword-nmt's splitter for these merges: .segment_tokens(words) -> pieces."""
-    # known: the pieces of a vocabulary; a piece outside it is split back into known
-    # smaller ones, as far as it can be, instead of becoming <unk>
-    codes = io.StringIO("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    return subword_nmt.apply_bpe.BPE(codes, separator=SEPARATOR, vocab=known)
-
-
-# %% [markdown]
-# The cell after the folded one builds the word vocabularies: between 5,000 and 10,000
-# tokens, English fewer than German.
-
-
-# %% jupyter={"source_hidden": true} tags=["hide-input"]
-class SubwordVocab(Vocab):
-    """A joint vocabulary of sub-word pieces, with the BPE merges that split words."""
-
-    def __init__(self, itos: list[str], merges: list):
-        super().__init__(itos)
-        self.merges = [tuple(pair) for pair in merges]
-        # a piece not in the vocabulary splits into smaller known ones, not into <unk>
-        self.splitter = bpe_splitter(self.merges, known=set(self.itos))
-
-    def pieces(self, words: list[str]) -> list[str]:
-        return self.splitter.segment_tokens([w for w in words if w.strip()])
-
-    def words(self, units: list[str]) -> list[str]:
-        return " ".join(units).replace(f"{SEPARATOR} ", "").removesuffix(SEPARATOR).split()
-
-
-def vocabularies(train_tokens: dict, min_freq: int, bpe_merges: int = 0) -> dict:
-    """The vocabularies of the training tokens: one per language, or one joint sub-word
-    vocabulary under both names when bpe_merges > 0."""
-    if not bpe_merges:
-        return {lang: build_vocab(train_tokens[lang], min_freq) for lang in ("de", "en")}
-    merges = learned_merges(train_tokens, bpe_merges)
-    splitter = bpe_splitter(merges)
-    pieces = [splitter.segment_tokens(s) for lang in ("de", "en") for s in train_tokens[lang]]
-    joint = SubwordVocab(build_vocab(pieces, min_freq).itos, merges)
-    return {"de": joint, "en": joint}
+# %%
+def vocabularies(train_tokens: dict, min_freq: int) -> dict:
+    """A word vocabulary per language, from the training tokens."""
+    return {lang: build_vocab(train_tokens[lang], min_freq) for lang in ("de", "en")}
 
 
 # %% active="ipynb"
@@ -1703,8 +1641,8 @@ def encode_pairs(tokens: dict, vocabs: dict, max_train_len: int | None = None) -
     pairs = []
     for de, en in zip(tokens["de"], tokens["en"], strict=True):
         de_vocab, en_vocab = vocabs["de"], vocabs["en"]
-        src = [de_vocab.bos_id, *de_vocab.encode(de_vocab.pieces(de)), de_vocab.eos_id]
-        tgt = [en_vocab.bos_id, *en_vocab.encode(en_vocab.pieces(en)), en_vocab.eos_id]
+        src = [de_vocab.bos_id, *de_vocab.encode(de), de_vocab.eos_id]
+        tgt = [en_vocab.bos_id, *en_vocab.encode(en), en_vocab.eos_id]
         pairs.append((src, tgt))
     if max_train_len is None:
         return pairs
@@ -1794,15 +1732,16 @@ class Multi30k:
     test_text: list[tuple[str, str]]
 
 
-def prepare_data(settings: Settings, data_dir: Path = DATA_DIR) -> Multi30k:
-    """Load, tokenize and encode Multi30k for `settings` (sizes and slices)."""
+def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=vocabularies):
+    """Load, tokenize and encode Multi30k for `settings` (sizes and slices), with the
+    vocabularies that `make_vocabs` builds (Appendix A's: sub-words)."""
     tokenizers = make_tokenizers()
     text = {s: load_pairs(s, data_dir) for s in ("train", "val", "test_2016_flickr")}
     text["train"] = text["train"][: settings.train_pairs]
     for split in ("val", "test_2016_flickr"):
         text[split] = text[split][: settings.eval_pairs]
     tokens = {s: tokenize_pairs(pairs, tokenizers) for s, pairs in text.items()}
-    vocabs = vocabularies(tokens["train"], settings.min_freq, settings.bpe_merges)
+    vocabs = make_vocabs(tokens["train"], settings.min_freq)
     return Multi30k(
         vocabs=vocabs,
         train=encode_pairs(tokens["train"], vocabs, settings.max_train_len),
@@ -1892,9 +1831,8 @@ def without_words(scorer, banned: list[int]):
 
 
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
-def translate(model, sources, vocabs, *, search=None, cached=True, pieces=False):
+def translate(model, sources, vocabs, *, search=None, cached=True):
     """Translate id lists (<s> ... </s>) into English token lists, 100 at a time."""
-    # pieces: return a sub-word vocabulary's pieces instead of whole words
     device, limit = next(model.parameters()).device, positions_of(model)
     en, pad, ids = vocabs["en"], vocabs["de"].pad_id, vocabs["en"].special_ids()
     scorer = without_words(CachedPrefix if cached else FullPrefix, [en.unk_id])
@@ -1910,8 +1848,7 @@ def translate(model, sources, vocabs, *, search=None, cached=True, pieces=False)
         out = (search or greedy_decode)(model, src, src_mask, cap, ids=ids, scorer=scorer)
         for i, row in zip(chunk, out.tolist(), strict=True):
             words = [w for w in row[1:] if w != ids.pad]
-            units = en.decode(words[: words.index(ids.end)] if ids.end in words else words)
-            results[i] = units if pieces else en.words(units)
+            results[i] = en.decode(words[: words.index(ids.end)] if ids.end in words else words)
     return results
 
 
@@ -2066,8 +2003,8 @@ class CachedPrefix(FullPrefix):
 #
 # Every field, with its reason, is in [presets.py](presets.py). On a slow machine,
 # `dataclasses.replace(settings, epochs=6)` trains a whole run of 6 epochs instead of 13,
-# for less validation BLEU. A changed data setting, such as `min_freq` or `bpe_merges`,
-# needs `prepare_data` again (Part 4).
+# for less validation BLEU. A changed data setting, such as `min_freq`, needs
+# `prepare_data` again (Part 4).
 
 # %% active="ipynb"
 # preset_table = pd.DataFrame({name: dataclasses.asdict(p) for name, p in PRESETS.items()})
@@ -2503,26 +2440,26 @@ def beam_trace(k: int) -> tuple[Tensor, pd.DataFrame]:
 
 
 # %%
-def german_pieces(sentence: str, vocabs: dict) -> list[str]:
-    """What the vocabulary looks up in a raw German sentence: spaCy's tokens, or their pieces."""
-    return vocabs["de"].pieces([t.text for t in make_tokenizers()["de"](sentence)])
+def german_tokens(sentence: str) -> list[str]:
+    """spaCy's tokens of a raw German sentence: what the vocabulary looks up."""
+    return [t.text for t in make_tokenizers()["de"](sentence)]
 
 
 def german_ids(sentence: str, vocabs: dict) -> list[int]:
     """Raw German -> ids framed by <s> and </s>."""
     de = vocabs["de"]
-    return [de.bos_id, *de.encode(german_pieces(sentence, vocabs)), de.eos_id]
+    return [de.bos_id, *de.encode(german_tokens(sentence)), de.eos_id]
 
 
 def unknown_words(sentence: str, vocabs: dict) -> list[str]:
-    """The tokens (or sub-word pieces) of a German sentence that map to <unk>."""
-    return [t for t in german_pieces(sentence, vocabs) if t not in vocabs["de"].stoi]
+    """The tokens of a German sentence that map to <unk>."""
+    return [t for t in german_tokens(sentence) if t not in vocabs["de"].stoi]
 
 
 # %% [markdown]
 # Change these sentences or add yours. "Quantencomputer" (quantum computer) is not a
 # caption word: the presets' word vocabulary maps it to `<unk>`, while a sub-word
-# vocabulary (`bpe_merges=8000`) spells it from pieces it knows.
+# vocabulary ([Appendix A](#Appendix-A:-sub-words)) spells it from pieces it knows.
 
 # %%
 MY_SENTENCES = ["Zwei Kinder spielen im Schnee.", "Eine Frau liest ein Buch über Quantencomputer."]
@@ -2532,11 +2469,10 @@ MY_SENTENCES = ["Zwei Kinder spielen im Schnee.", "Eine Frau liest ein Buch übe
 #     (translated,) = translate(model, [german_ids(german, data.vocabs)], data.vocabs, **beam)
 #     english = detokenize(translated)  # translated with the preset's beam search
 #     print(f"German sentence: {german}\nour translation: {english}")
-#     print(f"read as:         {german_pieces(german, data.vocabs)}")
+#     print(f"read as:         {german_tokens(german)}")
 #     print("unknown words:  ", unknown_words(german, data.vocabs) or "not one", end="\n\n")
-#     assert isinstance(english, str) and "<s>" not in english and "@@" not in english
-# quantum_unknown = "Quantencomputer" in unknown_words("Quantencomputer", data.vocabs)
-# assert quantum_unknown == (data.vocabs["de"].merges is None)
+#     assert isinstance(english, str) and "<s>" not in english
+# assert unknown_words("Quantencomputer", data.vocabs) == ["Quantencomputer"]
 
 # %% [markdown]
 # ### BLEU on test2016
@@ -2638,10 +2574,11 @@ def attention_maps(model: EncoderDecoder, src: Tensor, tgt: Tensor, pad_id: int)
 def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: dict):
     """Translate one id list greedily, on the model's device: German, English tokens, maps."""
     de, en, device = vocabs["de"], vocabs["en"], next(model.parameters()).device
-    (english,) = translate(model, [source], vocabs, pieces=True)  # <unk> is never written
+    (english,) = translate(model, [source], vocabs)  # <unk> is never written
     output = [en.bos_id, *en.encode(english), en.eos_id]  # <s> ... </s>, as decoded
     src, tgt = torch.tensor(source, device=device), torch.tensor(output, device=device)
-    return de.decode(source), en.decode(output), attention_maps(model, src, tgt, en.pad_id)
+    maps = attention_maps(model, src, tgt, en.pad_id)
+    return [de.itos[i] for i in source], [en.itos[i] for i in output], maps
 
 
 # %% [markdown]
@@ -2650,12 +2587,6 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
 # columns the words read (keys); hovering shows a cell's words and weight. The colour
 # scale runs from 0 to 1 for every head: a pale map spreads its attention thin, a dark
 # square looks at one word.
-
-
-# %%
-def readable(token: str) -> str:
-    """A label for a token: a sub-word piece that the next one continues ends in a hyphen."""
-    return token.removesuffix(SEPARATOR) + "-" if token.endswith(SEPARATOR) else token
 
 
 # %%
@@ -2668,8 +2599,8 @@ def menu(name: str, label: str, count: int, value: int) -> alt.Parameter:
 # %%
 def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str], title: str):
     """Draw one heatmap with a layer and a head menu; weights: one (h, T_q, T_k) per layer."""
-    query_labels = [f"{i:02d} {readable(t)}" for i, t in enumerate(queries)]
-    key_labels = [f"{j:02d} {readable(t)}" for j, t in enumerate(keys)]
+    query_labels = [f"{i:02d} {t}" for i, t in enumerate(queries)]
+    key_labels = [f"{j:02d} {t}" for j, t in enumerate(keys)]
     heads = [str(head) for head in range(weights[0].size(0))]
     rows = [
         {"layer": layer, "query": query_labels[i], "key": key_labels[j]}
@@ -2754,18 +2685,17 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
 # A word vocabulary cannot write a word it has not kept, which caps BLEU; the cell below
-# counts such test2016 reference tokens. The appendices go further: sub-words, how the cpu
-# preset was chosen, several GPUs, the block that today's language models use and how
-# decoding is made fast. The last holds the exercises.
+# counts such test2016 reference tokens. The appendices go further; the last holds the
+# exercises.
 
 # %% active="ipynb"
 # references = tokens["test_2016_flickr"]["en"]  # test2016's English, in spaCy's tokens
-# reference_units = [u for s in references for u in data.vocabs["en"].pieces(s)]
-# unknown = [u for u in reference_units if u not in data.vocabs["en"].stoi]
-# share = len(unknown) / len(reference_units)
+# reference_tokens = [t for sentence in references for t in sentence]
+# unknown = [t for t in reference_tokens if t not in data.vocabs["en"].stoi]
+# share = len(unknown) / len(reference_tokens)
 # print(f"{share:.2%} of the test2016 reference tokens are not in the run's vocabulary,")
 # print(f"for example: {sorted(set(unknown))[:8]}")
-# assert share < (0.01 if data.vocabs["en"].merges else 0.5)
+# assert share < 0.5
 
 # %% [markdown]
 # ## Appendix A: sub-words
@@ -2825,6 +2755,9 @@ def learn_merges(word_counts: dict[str, int], merges: int) -> list[tuple[str, st
 
 
 # %%
+SEPARATOR = "@@"  # ends every piece that the next piece continues: "Quant@@ en@@ computer"
+
+
 def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
     """A word's pieces under the learned merges, each but the last ending in @@."""
     rank = {pair: i for i, pair in enumerate(merges)}
@@ -2851,9 +2784,77 @@ def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
 # assert split_word("kaufen", toy_merges) == ["k@@", "a@@", "ufen"]
 
 # %% [markdown]
-# Real vocabularies use subword-nmt, which recounts only changed pairs. Learned on both
-# languages, one vocabulary serves both, as in the paper. The table sets 8,000 merges
-# against words:
+# Real vocabularies use subword-nmt, which recounts only changed pairs and gives the same
+# merges and splits (tests/test_subwords.py).
+
+
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
+import io
+
+import subword_nmt.apply_bpe
+import subword_nmt.learn_bpe
+
+
+def learned_merges(train_tokens: dict, merges: int) -> list:
+    """subword-nmt's BPE merges of the training words of both languages."""
+    counts = Counter(t for lang in ("de", "en") for s in train_tokens[lang] for t in s)
+    lines = "".join(f"{t} {c}\n" for t, c in sorted(counts.items()) if t.strip() and " " not in t)
+    learned = io.StringIO()
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+        subword_nmt.learn_bpe.learn_bpe(io.StringIO(lines), learned, merges, is_dict=True)
+    return [line.split() for line in learned.getvalue().splitlines()[1:]]  # after #version
+
+
+def bpe_splitter(merges: list, known: set | None = None) -> subword_nmt.apply_bpe.BPE:
+    """subword-nmt's splitter for these merges: .segment_tokens(words) -> pieces."""
+    # known: the pieces of a vocabulary; a piece outside it is split back into known
+    # smaller ones, as far as it can be, instead of becoming <unk>
+    codes = io.StringIO("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return subword_nmt.apply_bpe.BPE(codes, separator=SEPARATOR, vocab=known)
+
+
+# %% [markdown]
+# One vocabulary serves both languages, as in the paper. `SubwordVocab` changes two methods
+# of Part 4's `Vocab`: `encode` looks up the pieces of words, and `decode` glues pieces
+# back into words. Batches, training, `translate`, BLEU and the
+# heatmaps then work on sub-words unchanged.
+
+
+# %%
+class SubwordVocab(Vocab):
+    """A joint vocabulary of sub-word pieces: it encodes words as pieces, decodes to words."""
+
+    def __init__(self, itos: list[str], merges: list):
+        super().__init__(itos)
+        self.merges = [tuple(pair) for pair in merges]
+        # a piece not in the vocabulary splits into smaller known ones, not into <unk>
+        self.splitter = bpe_splitter(self.merges, known=set(self.itos))
+
+    def pieces(self, words: list[str]) -> list[str]:
+        return self.splitter.segment_tokens([w for w in words if w.strip()])
+
+    def encode(self, tokens: list[str]) -> list[int]:
+        return super().encode(self.pieces(tokens))
+
+    def decode(self, ids) -> list[str]:
+        units = super().decode(ids)
+        return " ".join(units).replace(f"{SEPARATOR} ", "").removesuffix(SEPARATOR).split()
+
+
+SUBWORD_MERGES = 8000
+
+
+def subword_vocabularies(train_tokens: dict, min_freq: int, merges=SUBWORD_MERGES) -> dict:
+    """One joint sub-word vocabulary, under both languages' names."""
+    learned = learned_merges(train_tokens, merges)
+    splitter = bpe_splitter(learned)
+    pieces = [splitter.segment_tokens(s) for lang in ("de", "en") for s in train_tokens[lang]]
+    joint = SubwordVocab(build_vocab(pieces, min_freq).itos, learned)
+    return {"de": joint, "en": joint}
+
+
+# %% [markdown]
+# The table sets 8,000 merges against words:
 #
 # * its size;
 # * a training sentence's mean length in tokens;
@@ -2861,30 +2862,27 @@ def split_word(word: str, merges: list[tuple[str, str]]) -> list[str]:
 # * the cpu model's embedding weights.
 #
 # Sub-words leave fewer tokens unwritable but spell a sentence in more pieces, so an
-# epoch takes longer. `bpe_merges=8000` switches a preset to sub-words ([why the cpu
-# preset does not](#Appendix-B:-what-matters-in-a-short-run)).
+# epoch takes longer. `prepare_data(settings, make_vocabs=subword_vocabularies)` gives a
+# preset sub-words ([why the cpu preset does not](#Appendix-B:-what-matters-in-a-short-run)).
 
 
-# %%
-SUBWORD_MERGES = 8000  # the joint vocabulary that bpe_merges=8000 asks for
-
-
+# %% jupyter={"source_hidden": true} tags=["hide-input"]
 def vocabulary_row(tokens: dict, de: Vocab, en: Vocab) -> dict:
     """A vocabulary pair's size, sentence lengths, unknown test share and embedding weights."""
-    test = [u for s in tokens["test_2016_flickr"]["en"] for u in en.pieces(s)]
+    test = [i for s in tokens["test_2016_flickr"]["en"] for i in en.encode(s)]
     return {
         "German entries": len(de),
         "English entries": len(en),
-        "German tokens a sentence": mean(len(de.pieces(s)) for s in tokens["train"]["de"]),
-        "English tokens a sentence": mean(len(en.pieces(s)) for s in tokens["train"]["en"]),
-        "unknown test tokens": f"{sum(u not in en.stoi for u in test) / len(test):.2%}",
+        "German tokens a sentence": mean(len(de.encode(s)) for s in tokens["train"]["de"]),
+        "English tokens a sentence": mean(len(en.encode(s)) for s in tokens["train"]["en"]),
+        "unknown test tokens": f"{sum(i == en.unk_id for i in test) / len(test):.2%}",
         # the output layer is tied to the English table; a joint vocabulary is one matrix
         "embedding parameters": (len(en) + (len(de) if de is not en else 0)) * CPU.d_model,
     }
 
 
 # %% active="ipynb"
-# subword_vocabs = vocabularies(tokens["train"], settings.min_freq, bpe_merges=SUBWORD_MERGES)
+# subword_vocabs = subword_vocabularies(tokens["train"], settings.min_freq, SUBWORD_MERGES)
 # joint = subword_vocabs["de"]
 # print(joint.pieces(["Eine", "Frau", "liest", "über", "Quantencomputer", "."]))
 # vocab_rows = [vocabulary_row(tokens, v["de"], v["en"]) for v in (vocabs, subword_vocabs)]

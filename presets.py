@@ -49,7 +49,6 @@ class Settings:
     train_pairs: int | None = None  # None uses all 29,000 training pairs
     eval_pairs: int | None = None  # None decodes every val/test sentence
     min_freq: int = 2  # a word seen fewer times in training becomes <unk> (a piece splits)
-    bpe_merges: int = 0  # 0: a word vocabulary per language; else one joint sub-word one
     batch_tokens: int = 4000  # token budget of one micro-batch (padding included)
     accum_iter: int = 1  # micro-batches per optimizer step
     epochs: int = 10  # passes over the training pairs; the linear schedule ends with the last
@@ -89,7 +88,6 @@ CPU = Settings(
     d_model=128,  # a quarter of its width,
     d_ff=256,  # an eighth of its feed-forward width,
     h=4,  # half its heads, so d_k = 32
-    bpe_merges=0,  # words: in a short run they beat sub-words
     batch_tokens=1500,  # about 1,300 real target tokens a step: many small steps
     pre_norm=True,  # not the paper's post-norm: far ahead in a short run
     epochs=13,  # make run: 17-31 min on two cores, 59-123 s of training an epoch (README)

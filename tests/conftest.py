@@ -182,15 +182,16 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
-def prepared_data(settings, data_dir: Path, monkeypatch):
-    """The notebook's prepare_data for `settings`, from the mirror; skips without it."""
+def prepared_data(settings, data_dir: Path, monkeypatch, **options):
+    """The notebook's prepare_data for `settings` (and `options`), from the mirror; skips
+    without it."""
     folder, source = multi30k_folder()
     if not folder.is_dir():
         pytest.skip(f"no Multi30k mirror: {source}")
     monkeypatch.setenv("MULTI30K_DIR", str(folder))
     import annotated_transformer  # here, not at the top: conftest loads before the path is set
 
-    return annotated_transformer.prepare_data(settings, data_dir)
+    return annotated_transformer.prepare_data(settings, data_dir, **options)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -135,7 +135,7 @@ def test_the_cheap_run_leaves_out_the_training_cells_only():
     left_out = [c.source for c in training_cells(notebook)]
     assert any("model, history = train(settings" in source for source in left_out)
     assert any("train_copy_task(until=copies_held_out)" in source for source in left_out)
-    assert any("bpe_merges=SUBWORD_MERGES" in source for source in left_out)
+    assert any("subword_vocabularies(" in source for source in left_out)
     assert not any(source.lstrip().startswith(("def ", "class ")) for source in left_out)
 
 

@@ -169,34 +169,41 @@ def test_an_edited_plumbing_function_that_training_calls_names_a_new_folder(
 
 # --- every edit on the data path reaches the data ----------------------------------------
 
-SUBWORDS = dataclasses.replace(SETTINGS, bpe_merges=200)  # a quick joint sub-word vocabulary
-
 
 @pytest.mark.parametrize(
-    "old, new, settings",
+    "old, new, subwords",
     [
         # tokenizing: every token lower-cased
         ("        lang: [[t.text for t in doc] for doc in tokenizers[lang].pipe(side)]\n",
          "        lang: [[t.text.lower() for t in doc] for doc in tokenizers[lang].pipe(side)]\n",
-         SETTINGS),
+         False),
         # building a vocabulary: a word must be seen more often than min_freq
         ("        (t for t, c in counts.items() if c >= min_freq and t not in SPECIALS),\n",
          "        (t for t, c in counts.items() if c > min_freq and t not in SPECIALS),\n",
-         SETTINGS),
+         False),
         # learning the merges: half as many
-        ("learned, merges, is_dict=True)\n", "learned, merges // 2, is_dict=True)\n", SUBWORDS),
+        ("learned, merges, is_dict=True)\n", "learned, merges // 2, is_dict=True)\n", True),
     ],
     ids=["tokenize_pairs", "build_vocab", "learned_merges"],
 )  # fmt: skip
 def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
-    quick_data, tmp_path, monkeypatch, old, new, settings
+    quick_data, tmp_path, monkeypatch, old, new, subwords
 ):
     """No cache on disk stands between an edited cell and the data: prepare_data, run
     again as a student would, builds the data with the edit, in a new run's folder."""
-    before = lesson_copy(monkeypatch)["prepare_data"](settings, tmp_path)
-    unedited = plumbing.run_folder(settings, before, lesson_copy(monkeypatch), tmp_path)
+
+    def prepare(namespace: dict):
+        """prepare_data in `namespace`: words, or Appendix A's sub-words of 200 merges."""
+        vocabs = namespace["vocabularies"]
+        if subwords:
+            joint = namespace["subword_vocabularies"]
+            vocabs = lambda tokens, min_freq: joint(tokens, min_freq, merges=200)  # noqa: E731
+        return namespace["prepare_data"](SETTINGS, tmp_path, make_vocabs=vocabs)
+
+    before = prepare(lesson_copy(monkeypatch))
+    unedited = plumbing.run_folder(SETTINGS, before, lesson_copy(monkeypatch), tmp_path)
     namespace = edited(monkeypatch, old, new)
-    after = namespace["prepare_data"](settings, tmp_path)  # the same data folder: no cache
+    after = prepare(namespace)  # the same data folder: no cache
     words = [t for t in after.vocabs["en"].itos if t not in at.SPECIALS]
     if "lower" in new:
         assert all(w == w.lower() for w in words)
@@ -206,7 +213,7 @@ def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
     else:
         assert len(after.vocabs["en"].merges) == 100 < len(before.vocabs["en"].merges)
     assert after.train != before.train
-    assert plumbing.run_folder(settings, after, namespace, tmp_path) != unedited
+    assert plumbing.run_folder(SETTINGS, after, namespace, tmp_path) != unedited
 
 
 @pytest.mark.slow

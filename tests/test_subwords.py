@@ -13,12 +13,14 @@ from conftest import multi30k_folder, prepared_data, quick_settings
 import annotated_transformer as at
 
 # the quick preset narrowed, with a joint sub-word vocabulary of 300 merges
-SMALL = dataclasses.replace(quick_settings(), name="small-bpe", d_model=16, d_ff=32, bpe_merges=300)
+SMALL = dataclasses.replace(quick_settings(), name="small-bpe", d_model=16, d_ff=32)
+MERGES = 300
 
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    return prepared_data(SMALL, tmp_path, monkeypatch)
+    subwords = lambda tokens, min_freq: at.subword_vocabularies(tokens, min_freq, MERGES)  # noqa: E731
+    return prepared_data(SMALL, tmp_path, monkeypatch, make_vocabs=subwords)
 
 
 def training_word_counts(pairs: int) -> dict[str, int]:
@@ -61,32 +63,31 @@ def test_pieces_join_back_into_the_words():
     words = ["Kinder", "spielten", ",", "spielen", "."]
     pieces = vocab.pieces([*words[:2], " ", *words[2:]])  # spaCy's whitespace tokens go
     assert pieces != words and "spiel@@" in pieces
-    assert vocab.words(pieces) == words
-    assert vocab.words(["spiel@@"]) == ["spiel"]  # a piece cut off at the end still reads
-    word_vocab = at.Vocab([*at.SPECIALS, "a"])
-    assert word_vocab.pieces(words) is words and word_vocab.words(words) is words
+    ids = vocab.encode([*words[:2], " ", *words[2:]])
+    assert ids == at.Vocab.encode(vocab, pieces)  # encode looks up the pieces
+    every_piece = at.SubwordVocab([*at.SPECIALS, *dict.fromkeys(pieces)], merges)
+    assert every_piece.decode(every_piece.encode(words)) == words  # the pieces glue back
+    assert vocab.decode([vocab.stoi["spiel@@"]]) == ["spiel"]  # a piece cut off at the end reads
 
 
 def test_a_sub_word_vocabulary_is_joint_and_knows_new_words(data):
     de, en = data.vocabs["de"], data.vocabs["en"]
-    assert de is en and de.merges and len(de.merges) <= SMALL.bpe_merges
-    assert at.unknown_words("Eine Frau liest über Hundeschlitten.", data.vocabs) == []
+    assert de is en and de.merges and len(de.merges) <= MERGES
+    pieces = de.pieces(at.german_tokens("Eine Frau liest über Hundeschlitten."))
+    assert all(piece in de.stoi for piece in pieces)  # no <unk>: new words split into known
     src, tgt = data.train[0]
-    words = data.vocabs["en"].words(data.vocabs["en"].decode(tgt[1:-1]))
     first_pair = at.load_pairs("train", at.DATA_DIR)[:1]
     (english,) = at.tokenize_pairs(first_pair, at.make_tokenizers())["en"]
-    assert words == english
+    assert en.decode(tgt[1:-1]) == english  # decoding gives back the words
 
 
-def test_translate_returns_words_or_pieces(data):
+def test_translate_returns_words(data):
     at.set_seed(0)
     model = at.model_for(SMALL, data.vocabs).eval()
     sources = [src for src, _ in data.val[:3]]
-    pieces = at.translate(model, sources, data.vocabs, pieces=True)
     words = at.translate(model, sources, data.vocabs)
-    assert words == [data.vocabs["en"].words(p) for p in pieces]
+    assert len(words) == 3
     assert all(not w.endswith(at.SEPARATOR) for sentence in words for w in sentence)
-    assert at.readable("Quant@@") == "Quant-" and at.readable("computer") == "computer"
 
 
 # --- three-way tying (§3.4) ----------------------------------------------------------------

@@ -438,7 +438,7 @@ def reference_collate(text_pairs, tokenizers: dict, vocabs: dict) -> at.Batch:
         vocab, rows = vocabs[lang], []
         for sentence in sentences:
             words = [token.text for token in tokenizers[lang](sentence)]
-            ids = [vocab.bos_id, *vocab.encode(vocab.pieces(words)), vocab.eos_id][:width]
+            ids = [vocab.bos_id, *vocab.encode(words), vocab.eos_id][:width]
             rows.append(ids + [vocab.pad_id] * (width - len(ids)))
         sides.append(torch.tensor(rows))  # (32, 72)
     return at.Batch(sides[0], sides[1], vocabs["en"].pad_id)
