@@ -2,13 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 NOTEBOOK := annotated_transformer.ipynb
 # The Chinese edition, built from the English one and locale/zh_CN (`make translations`).
 NOTEBOOK_ZH := annotated_transformer.zh-CN.ipynb
 # The notebook's kernel: a name of its own, so it is never confused with another python3.
 KERNEL := annotated-transformer
-KERNEL_DISPLAY := Annotated Transformer (.venv)
 # Use the kernel installed in .venv, never one a user may have elsewhere.
 export JUPYTER_PATH := $(CURDIR)/$(VENV)/share/jupyter
 export PYTHONPATH := $(CURDIR)
@@ -27,19 +25,19 @@ NUMERICS_TESTS := -m numerics tests
 
 .PHONY: setup kernel lab lab-zh run run-zh test test-numerics test-compat bench html lint translations sync clean
 
-setup: $(STAMP)
+setup: $(VENV)/.installed
 
-$(STAMP): requirements.txt
+$(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)" >/dev/null
-	touch $(STAMP)
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Annotated Transformer (.venv)" >/dev/null
+	touch $@
 
 # For readers who run their own Jupyter: the same kernel, installed for this user.
 kernel: setup
-	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
+	$(PY) -m ipykernel install --user --name $(KERNEL) --display-name "Annotated Transformer (.venv)"
 
 lab: setup
 	$(PY) -m jupyterlab $(NOTEBOOK) $(ALLOW_ROOT)

@@ -1786,11 +1786,6 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
 
 
 # %%
-def positions_of(model: EncoderDecoder) -> int:
-    """The longest sequence the model's positional-encoding tables cover."""
-    return min(model.src_embed[1].table.size(0), model.tgt_embed[1].table.size(0))
-
-
 def cut_to_length(sources: list[list[int]], limit: int) -> list[list[int]]:
     """Cut sources longer than `limit` tokens (keeping their </s>), with a count printed."""
     too_long = sum(len(s) > limit for s in sources)
@@ -1833,7 +1828,9 @@ def without_words(scorer, banned: list[int]):
 # %% jupyter={"source_hidden": true} tags=["hide-input"]
 def translate(model, sources, vocabs, *, search=None, cached=True):
     """Translate id lists (<s> ... </s>) into English token lists, 100 at a time."""
-    device, limit = next(model.parameters()).device, positions_of(model)
+    device = next(model.parameters()).device
+    # the longest sequence that the positional-encoding tables cover
+    limit = min(model.src_embed[1].table.size(0), model.tgt_embed[1].table.size(0))
     en, pad, ids = vocabs["en"], vocabs["de"].pad_id, vocabs["en"].special_ids()
     scorer = without_words(CachedPrefix if cached else FullPrefix, [en.unk_id])
     sources = cut_to_length(sources, limit)
@@ -2133,7 +2130,7 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, autocast=autocast)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
-        trainer.seed_dropout(settings.seed, epoch, rank)  # each epoch and process its own
+        set_seed(settings.seed + 7919 * (rank + 1) + 104729 * epoch)  # each epoch, each rank
         batches = batches_for(data.train, en.pad_id, settings, device, epoch, processes)
         began = time.perf_counter()
         train_loss = processes.epoch(batches, learner, criterion, optimizer, schedule, **options)
@@ -2332,12 +2329,6 @@ def beam_search(model, src, src_mask, max_output_len, *, beam_size, alpha, ids, 
     return best[:, : int((best != ids.pad).sum(dim=1).max())]
 
 
-# %%
-def beam_searcher(beam_size: int, alpha: float):
-    """translate's `search` for beam search with `beam_size` beams and length penalty alpha."""
-    return functools.partial(beam_search, beam_size=beam_size, alpha=alpha)
-
-
 # %% [markdown]
 # **One sentence, step by step.** The table follows a whole search with $k = 2$ on a
 # scripted "model" (the folded cell) whose next word depends only on the last: `<s>` goes
@@ -2375,11 +2366,6 @@ def scripted_log_probs(ys: Tensor) -> Tensor:
     return torch.tensor([[p.get(w, 1e-9) for w in TRACE_WORDS] for p in last]).log()
 
 
-def prefix_log_prob(row: list[int]) -> float:
-    words = [TRACE_WORDS[i] for i in row]
-    return sum(math.log(TRACE_NEXT[a][b]) for a, b in pairwise(words))
-
-
 def beam_trace(k: int) -> tuple[Tensor, pd.DataFrame]:
     """beam_search's answer on the script, and the best 2k candidates of each step that
     Scripted saw, with what became of each. The tiny real model only encodes the source."""
@@ -2390,7 +2376,8 @@ def beam_trace(k: int) -> tuple[Tensor, pd.DataFrame]:
     rows = []
     for t, ys in enumerate(Scripted.steps, start=1):
         log_probs = scripted_log_probs(ys)
-        totals = [prefix_log_prob(row) for row in ys.tolist()]
+        prefixes = [[TRACE_WORDS[i] for i in row] for row in ys.tolist()]
+        totals = [sum(math.log(TRACE_NEXT[a][b]) for a, b in pairwise(p)) for p in prefixes]
         totals[1:] = totals[1:] if t > 1 else [float("-inf")] * (k - 1)  # as beam_search starts
         scores = torch.tensor([totals])
         chosen = beam_candidates(scores, log_probs, end_id=0)
@@ -2423,7 +2410,8 @@ def beam_trace(k: int) -> tuple[Tensor, pd.DataFrame]:
 
 
 # %% active="ipynb"
-# beam = {"search": beam_searcher(settings.beam_size, settings.length_penalty)}
+# beam = {"search": functools.partial(beam_search, beam_size=settings.beam_size,
+#                                     alpha=settings.length_penalty)}
 # beam_out = translate(model, examples, data.vocabs, **beam)
 # for g, b in zip(greedy_out, beam_out, strict=True):
 #     print(f"greedy decoding: {detokenize(g)}\nbeam search:     {detokenize(b)}\n")
@@ -2490,10 +2478,12 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
     """Greedy and beam BLEU on the test split, with decoding times."""
     sources = [pair[0] for pair in data.test]
     references = [en for _, en in data.test_text]
+    beam = functools.partial(
+        beam_search, beam_size=settings.beam_size, alpha=settings.length_penalty
+    )
     results = {}
-    for method, beam in (("greedy", 1), ("beam", settings.beam_size)):
+    for method, search in (("greedy", greedy_decode), ("beam", beam)):
         start = time.perf_counter()
-        search = beam_searcher(beam, settings.length_penalty) if beam > 1 else greedy_decode
         hyps = translate(model, sources, data.vocabs, search=search)
         results[f"{method}_seconds"] = time.perf_counter() - start
         scores = bleu_scores(hyps, references)

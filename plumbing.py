@@ -242,9 +242,6 @@ def load_pairs(split: str, data_dir: Path = Path("data")) -> list[tuple[str, str
 
 # --- the code that training reaches, for a run's name ------------------------------------
 
-PROJECT = Path(__file__).resolve().parent  # where the lesson's modules live
-
-
 # A message, title or label (two words apart by a space, a comma, semicolon or colon between
 # them allowed: " parameters, in "; or Chinese) is prose: the Chinese notebook translates it
 # (tools/translations.py), and neither edition's wording changes what training computes, so
@@ -276,7 +273,7 @@ def canonical(node) -> str:
 def in_project(value) -> bool:
     """Whether a module, function or class is defined in a file of this project."""
     with contextlib.suppress(TypeError):  # built in, or a class of a kernel: no file
-        return Path(inspect.getfile(value)).resolve().parent == PROJECT
+        return Path(inspect.getfile(value)).resolve().parent == Path(__file__).resolve().parent
     return False
 
 
@@ -354,22 +351,17 @@ def code_reached(namespace: dict, roots=("train",)) -> dict[str, str]:
 # --- a run's folder, named by what training reaches -------------------------------------
 
 
-# The settings that do not change what training computes.
-NOT_TRAINING = ("name", "beam_size", "length_penalty")
-# What a manifest records without naming the folder by it: the same code computes the same on
-# every Python; and the folder names torch's release without the build's local tag (+cpu,
-# +cu128), so that a run trained under one build loads under another (a teacher's run on a
-# student's Mac). A run resumed under another build says so (trainer.load_last).
-RECORDED_ONLY = ("python", "torch build")
-
-
 def manifest(settings, data, namespace: dict, roots=("train",)) -> dict:
-    """What a run is made of. All but RECORDED_ONLY name its folder: another torch release
-    may compute otherwise."""
+    """What a run is made of. All but "python" and "torch build" name its folder: another
+    torch release may compute otherwise, but the same code computes the same on every Python,
+    and the folder names torch's release without the build's local tag (+cpu, +cu128), so
+    that a run trained under one build loads under another (a teacher's run on a student's
+    Mac). A run resumed under another build says so (trainer.load_last)."""
     vocabs = data.vocabs
+    not_training = ("name", "beam_size", "length_penalty")  # they change no training step
     return {
         "settings": {
-            k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_TRAINING
+            k: v for k, v in dataclasses.asdict(settings).items() if k not in not_training
         },
         "data": {
             "vocabularies": fingerprint([vocabs["de"].itos, vocabs["en"].itos]),
@@ -389,8 +381,8 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
     `retrain=True` moves an earlier run of the same name into checkpoints/replaced/, so
     the next training starts afresh and nothing is lost."""
     made_of = manifest(settings, data, namespace, roots)
-    key = fingerprint({k: v for k, v in made_of.items() if k not in RECORDED_ONLY})[:8]
-    folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{key}"
+    key = fingerprint({k: v for k, v in made_of.items() if k not in ("python", "torch build")})
+    folder = Path(data_dir) / "checkpoints" / f"{settings.name}-{key[:8]}"
     if retrain and folder.is_dir():
         kept = folder.parent / "replaced" / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         kept.parent.mkdir(parents=True, exist_ok=True)
@@ -543,26 +535,6 @@ def peak_memory_gb() -> float | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes or KiB
-
-
-def gpu_report() -> str:
-    """A small table of GPU load and memory, or one line saying there is no NVIDIA GPU."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return say("no NVIDIA GPU here: nothing to report on GPU load and memory")
-    lines = [say("gpu  load  memory used / total")]
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        load = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        lines.append(
-            f"{index:3d}  {load:3d}%  {memory.used / 2**30:5.1f} / {memory.total / 2**30:.1f} GiB"
-        )
-    pynvml.nvmlShutdown()
-    return "\n".join(lines)
 
 
 # --- the exercises' checks ----------------------------------------------------------------

@@ -19,23 +19,6 @@ from plumbing import say
 SEED = 42  # the default seed of every preset
 
 
-def refuse_unknown_choices(settings) -> None:
-    """Stop with one line if a setting typed Literal[...] holds another value, or if
-    `epochs` is not a whole number of at least 1."""
-    if not isinstance(settings.epochs, int) or settings.epochs < 1:
-        raise ValueError(
-            say("epochs={epochs!r}: train a whole number of epochs, 1 or more",
-                epochs=settings.epochs)
-        )  # fmt: skip
-    for name, kind in type(settings).__annotations__.items():
-        allowed = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        if allowed and getattr(settings, name) not in allowed:
-            raise ValueError(
-                say("{name}={value!r}: use one of {allowed}", name=name,
-                    value=getattr(settings, name), allowed=", ".join(allowed))
-            )  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Settings:
     name: str
@@ -61,7 +44,22 @@ class Settings:
     beam_size: int = 4  # the paper's beam size
     length_penalty: float = 0.6  # the paper's alpha
     seed: int = SEED
-    __post_init__ = refuse_unknown_choices  # a wrong choice stops here
+
+    def __post_init__(self) -> None:
+        """Stop with one line if a setting typed Literal[...] holds another value, or if
+        `epochs` is not a whole number of at least 1."""
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(
+                say("epochs={epochs!r}: train a whole number of epochs, 1 or more",
+                    epochs=self.epochs)
+            )  # fmt: skip
+        for name, kind in type(self).__annotations__.items():
+            allowed = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+            if allowed and getattr(self, name) not in allowed:
+                raise ValueError(
+                    say("{name}={value!r}: use one of {allowed}", name=name,
+                        value=getattr(self, name), allowed=", ".join(allowed))
+                )  # fmt: skip
 
 
 SMOKE = Settings(
@@ -114,20 +112,9 @@ GPU = Settings(
 PRESETS = {"smoke": SMOKE, "cpu": CPU, "gpu": GPU}
 
 
-def gpu_precision() -> str:
-    """bf16 where the GPU computes it in hardware (compute capability 8.0, Ampere, or newer),
-    else fp32. torch.cuda.is_bf16_supported() counts emulation too, and says yes on a T4
-    (7.5). A T4 has fp16 units, but fp16 training needs a loss scale (a GradScaler) in the
-    loop: a second path through it that no run has tried. fp32 keeps the loop that every
-    CPU run takes, at a T4's slower fp32 speed."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
-        return "bf16"
-    return "fp32"
-
-
 def get_settings(name: str | None = None) -> Settings:
     """Return the preset called `name`; None reads AT_PRESET, else picks cpu (on a GPU too:
-    gpu has not run on one yet). The gpu preset's precision follows the GPU (gpu_precision)."""
+    gpu has not run on one yet). The gpu preset's precision follows the GPU."""
     if name is None:
         name = os.environ.get("AT_PRESET") or "cpu"
     if name not in PRESETS:
@@ -136,5 +123,9 @@ def get_settings(name: str | None = None) -> Settings:
                 presets=", ".join(PRESETS))
         )  # fmt: skip
     if name == "gpu":
-        return dataclasses.replace(GPU, precision=gpu_precision())
+        # bf16 where the GPU computes it in hardware (compute capability 8.0, Ampere, or
+        # newer), else fp32. torch.cuda.is_bf16_supported() counts emulation too and says yes
+        # on a T4 (7.5), whose fp16 units would need a loss scale: a path no run has tried.
+        hardware = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+        return dataclasses.replace(GPU, precision="bf16" if hardware else "fp32")
     return PRESETS[name]

@@ -18,17 +18,13 @@ import contextlib
 import dataclasses
 import json
 import platform
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import nn
 
 from plumbing import (
     CheckpointError,
     differences,
-    gpu_report,
     peak_memory_gb,
     read_checkpoint,
     save_checkpoint,
@@ -42,17 +38,6 @@ def autocast_for(device: torch.device, precision: str):
     if precision == "bf16" and device.type in ("cuda", "cpu"):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def seed_dropout(seed: int, epoch: int, rank: int) -> None:
-    """Seed one epoch's dropout (Python, NumPy and torch) from the run's seed, the epoch and
-    the rank: each rank draws its own numbers, and a run that goes on from a finished epoch
-    draws what a run never stopped would. The batches have a generator of their own,
-    seeded by the settings' seed and the epoch."""
-    seed = seed + 7919 * (rank + 1) + 104729 * epoch
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,8 +85,7 @@ def load_last(folder: Path, kept: dict, epochs: int, *, world_size=1) -> list[di
                 world_size=world_size,
             )
         )
-    load_weights(kept["model"], checkpoint["model"], path)
-    for name in kept.keys() - {"model"}:  # the optimizer, the schedule, the average
+    for name in kept:  # the model, the optimizer, the schedule, the average
         kept[name].load_state_dict(checkpoint[name])
     epoch, step = len(checkpoint["history"]) - 1, kept["schedule"].last_epoch
     print(resumed_line(folder, path, finished, epoch, step))
@@ -154,35 +138,18 @@ def check_made_of(checkpoint: dict, kept: dict, folder: Path, path: Path) -> Non
         )
 
 
-def load_weights(model: nn.Module, weights: dict, path: Path) -> None:
-    """model.load_state_dict, with one line that names the file where they do not fit."""
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as error:
-        problem = str(error).splitlines()[1].strip() if "\n" in str(error) else str(error)
-        raise CheckpointError(
-            say(
-                "{path} does not fit this model ({problem}): it was trained with other "
-                "settings or vocabularies; move it away, or pass retrain=True to run_folder",
-                path=path,
-                problem=problem[:120],
-            )
-        ) from None
-
-
 # ---------------------------------------------------------------------------------------
 # What is printed after each epoch, and the record of a run
 
 
 def epoch_line(record: dict) -> str:
     """The one line printed after each epoch."""
-    line = say(
+    return say(
         "epoch {epoch}: train loss {train_loss:.3f}, val loss {val_loss:.3f}, "
         "val BLEU {val_bleu:.1f}, {seconds:.0f} s, {speed:,.0f} target tokens/s",
         speed=record["tokens"] / record["seconds"],
         **record,
     )
-    return line + (f"\n{gpu_report()}" if torch.cuda.is_available() else "")
 
 
 def run_record(model, history, settings, folder, test_results: dict, device) -> dict:

@@ -143,38 +143,42 @@ class Started(Exception):
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout(tmp_path, monkeypatch):
     """The notebook's `train` seeds the model with the settings' seed, then each epoch's
-    dropout by rank. One process stands for each rank in turn: world_size stays 1, so no
-    process group is needed, and `train` stops right after seeding its first epoch."""
-    seed, seen, models = trainer.seed_dropout, [], []
+    dropout by rank and epoch. One process stands for each rank in turn: world_size stays 1,
+    so no process group is needed, and `train` stops once it has seeded `epochs` epochs."""
+    seed, seen, models = at.set_seed, [], []
 
-    def seed_and_stop(*args):
-        seed(*args)
+    def seed_and_stop(number):
+        seed(number)
+        if not models:  # model_for drawing the first weights
+            return
         weights = torch.cat([p.detach().flatten() for p in models[-1].parameters()])
         seen.append((weights, torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0))
-        raise Started
+        if len(seen) == stop[0]:
+            raise Started
 
-    monkeypatch.setattr(trainer, "seed_dropout", seed_and_stop)
+    monkeypatch.setattr(at, "set_seed", seed_and_stop)
 
     def build(settings, vocabs):
+        models.clear()
         models.append(at.model_for(settings, vocabs))
         return models[-1]
 
-    def started(rank: int) -> tuple:
+    def started(rank: int, epochs: int = 1, folder=tmp_path) -> list:
         torch.manual_seed(100 + len(seen))  # whatever ran before: train seeds its own
+        seen.clear()
+        stop[0] = epochs
         with pytest.raises(Started):
             processes = at.Processes(rank=rank)
-            at.train(TINY, tiny_data(), tmp_path, device=CPU, processes=processes, build=build)
+            at.train(TINY, tiny_data(), folder, device=CPU, processes=processes, build=build)
         return seen[-1]
 
+    stop = [1]
     (weights_0, mask_0), (weights_1, mask_1) = started(0), started(1)
     assert torch.equal(weights_0, weights_1)
     assert (mask_0 != mask_1).float().mean() > 0.3  # independent masks differ in ~half
     assert torch.equal(started(1)[1], mask_1), "a rank's stream is the same on every run"
-    epochs = []
-    for epoch in (0, 1):
-        seed(TINY.seed, epoch, 0)
-        epochs.append(torch.nn.functional.dropout(torch.ones(1000), p=0.5) > 0)
-    assert (epochs[0] != epochs[1]).float().mean() > 0.3, "each epoch draws its own numbers"
+    _, mask_next = started(0, epochs=2, folder=tmp_path / "two epochs")
+    assert (mask_0 != mask_next).float().mean() > 0.3, "each epoch draws its own numbers"
 
 
 def rank_steps_per_epoch(data, settings, world_size: int = 2) -> int:

@@ -3,6 +3,7 @@ words the vocabulary lacks, and the heatmaps' pass through a model."""
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -21,6 +22,11 @@ from conftest import (
 from torch import nn
 
 import annotated_transformer as at
+
+
+def beams(k: int):
+    """translate's `search` for beam search with k beams and the paper's alpha."""
+    return functools.partial(at.beam_search, beam_size=k, alpha=0.6)
 
 
 def test_bleu_does_not_match_unk_against_a_rare_reference_word(monkeypatch):
@@ -467,10 +473,24 @@ def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypat
     record = []
     full = at.FullPrefix
     monkeypatch.setattr(at, "FullPrefix", ending_at(full, ends, k, en.eos_id))
-    plain = at.translate(model, sources, data.vocabs, search=at.beam_searcher(k, 0.6), cached=False)
+    plain = at.translate(
+        model,
+        sources,
+        data.vocabs,
+        search=functools.partial(at.beam_search, beam_size=k, alpha=0.6),
+        cached=False,
+    )
     monkeypatch.setattr(at, "FullPrefix", full)
     monkeypatch.setattr(at, "CachedPrefix", ending_at(lockstep(record), ends, k, en.eos_id))
-    assert at.translate(model, sources, data.vocabs, search=at.beam_searcher(k, 0.6)) == plain
+    assert (
+        at.translate(
+            model,
+            sources,
+            data.vocabs,
+            search=functools.partial(at.beam_search, beam_size=k, alpha=0.6),
+        )
+        == plain
+    )
     chunks = [min(100, len(sources) - start) for start in range(0, len(sources), 100)]
     assert [search.steps for search in record] == [max(ends[:n]) + 1 for n in chunks]
     assert all(search.gap < FLOAT64_BOUND for search in record)
@@ -479,11 +499,14 @@ def test_translate_with_the_cache_follows_the_full_recompute(decoding, monkeypat
 @pytest.mark.slow
 def test_sources_longer_than_the_position_table_are_cut_with_a_count(decoding, capsys):
     model, data = decoding
-    limit = at.positions_of(model)
+    limit = model.src_embed[1].table.size(0)
     de = data.vocabs["de"]
     long_source = [de.bos_id, *[de.unk_id] * (limit + 20), de.eos_id]
     out = at.translate(
-        model, [long_source, data.val[0][0]], data.vocabs, search=at.beam_searcher(2, 0.6)
+        model,
+        [long_source, data.val[0][0]],
+        data.vocabs,
+        search=functools.partial(at.beam_search, beam_size=2, alpha=0.6),
     )
     assert f"cut 1 of 2 sources longer than {limit} tokens" in capsys.readouterr().out
     assert len(out) == 2 and len(out[0]) < limit
@@ -503,7 +526,7 @@ def test_translate_never_writes_unk_where_the_model_would(quick_data):
     src_mask = (src != quick_data.vocabs["de"].pad_id).unsqueeze(-2)
 
     def search(beam: int):
-        return at.greedy_decode if beam == 1 else at.beam_searcher(beam, 0.6)
+        return at.greedy_decode if beam == 1 else beams(beam)
 
     for beam in (1, 3):
         # the decoder alone, with no word banned, writes nothing but <unk>

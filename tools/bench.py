@@ -601,7 +601,7 @@ def decoding(settings, data: at.Multi30k, device, data_dir: Path) -> dict:
     first = sources[:PLAIN_BEAM_SENTENCES]
     alpha = settings.length_penalty
     greedy = {"search": at.greedy_decode}  # evaluate_test's two calls
-    beam = {"search": at.beam_searcher(settings.beam_size, alpha)}
+    beam = {"search": functools.partial(at.beam_search, beam_size=settings.beam_size, alpha=alpha)}
     for cached in (True, False):  # warm-up
         at.translate(model, sources[:8], vocabs, cached=cached, **greedy)
         at.translate(model, sources[:8], vocabs, cached=cached, **beam)

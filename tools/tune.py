@@ -16,6 +16,7 @@ choosing settings.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -84,7 +85,9 @@ def main() -> None:
     model, history = at.train(settings, data, folder, device=device)  # or loads it
     minutes = (time.perf_counter() - start) / 60
     model.eval()
-    search = at.beam_searcher(settings.beam_size, settings.length_penalty)
+    search = functools.partial(
+        at.beam_search, beam_size=settings.beam_size, alpha=settings.length_penalty
+    )
     beam = at.translate(model, [src for src, _ in data.val], data.vocabs, search=search)
     references = [en for _, en in data.val_text]
     beam_bleu = at.bleu_scores(beam, references)["bleu"]
