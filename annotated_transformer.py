@@ -116,7 +116,7 @@ from IPython.display import display
 from torch import Tensor, nn
 
 import plumbing  # noqa: F401 (the next cell sets its messages' language)
-from presets import CPU, GPU, PRESETS, SEED, SMOKE, Settings, get_settings  # noqa: F401
+from presets import PRESETS, Settings, get_settings  # noqa: F401
 
 # %% active="ipynb" jupyter={"source_hidden": true} tags=["hide-input"]
 # # Charts: JupyterLab, VS Code and our HTML export draw Altair's Vega-Lite v5 output with
@@ -143,7 +143,7 @@ def set_seed(seed: int) -> None:
 
 
 # %% active="ipynb"
-# set_seed(SEED)
+# set_seed(Settings.seed)
 
 # %% [markdown]
 # The next cell picks a *preset*, one record of every setting: cpu, a small model that
@@ -1220,7 +1220,7 @@ def params_after_one_step(model, batches: list[Batch], accum_iter: int) -> Tenso
 #
 # It is a class, built once per batch and called with each prefix, so that Part 5's
 # faster scorer can keep a cache between calls; its `reorder`, empty here, lets that
-# cache follow the rows beam search (Part 7) keeps.
+# cache follow the rows beam search (Part 7) keeps. Its `banned` words are never written.
 
 
 # %%
@@ -1236,14 +1236,17 @@ class SpecialIds:
 class FullPrefix:
     """Next-word log-probabilities, recomputed from the whole prefix at every step."""
 
-    def __init__(self, model: EncoderDecoder, memory: Tensor, src_mask: Tensor):
+    def __init__(self, model: EncoderDecoder, memory: Tensor, src_mask: Tensor, banned=()):
         self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.banned = list(banned)  # ids whose log-probability is -inf
 
     def __call__(self, ys: Tensor) -> Tensor:
         """ys (rows, t) -> log-probabilities of word t + 1, (rows, V)."""
         tgt_mask = causal_mask(ys.size(1), ys.device)
         out = self.model.decode(self.memory, self.src_mask, ys, tgt_mask)  # (rows, t, d_model)
-        return self.model.generator(out[:, -1])
+        log_probs = self.model.generator(out[:, -1])
+        log_probs[:, self.banned] = float("-inf")
+        return log_probs
 
     def reorder(self, rows: Tensor) -> None:
         """Keep the state of `rows` only (beam search calls this after each step)."""
@@ -1332,7 +1335,7 @@ def train_copy_task(
     until=None,
     *,
     max_steps: int = COPY_MAX_STEPS,
-    seed: int = SEED,
+    seed: int = Settings.seed,
     make_batch=copy_batch,
     config: ModelConfig | None = None,
     build=make_model,
@@ -1587,8 +1590,8 @@ def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
 # The paper split rare words into pieces with byte-pair encoding (BPE) (§5.1). No preset
 # here does: in a short run whole words won, so each language gets a vocabulary of its
 # words, 5,000 to 10,000, English fewer than German. [Appendix
-# A](#Appendix-A:-sub-words) builds BPE, and a joint vocabulary that `prepare_data` can
-# take instead.
+# A](#Appendix-A:-sub-words) builds BPE, and a joint vocabulary whose builder
+# `prepare_data` can take instead.
 
 
 # %%
@@ -1783,39 +1786,12 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
 # * an output stops at its chunk's longest source plus 50 tokens, the paper's cap ("input
 #   length + 50, but terminate early when possible", §6.1), or at the tables' length;
 # * a source longer than the tables is cut to fit, keeping its `</s>`.
-
-
-# %%
-def cut_to_length(sources: list[list[int]], limit: int) -> list[list[int]]:
-    """Cut sources longer than `limit` tokens (keeping their </s>), with a count printed."""
-    too_long = sum(len(s) > limit for s in sources)
-    if too_long:
-        print(f"cut {too_long} of {len(sources)} sources longer than {limit} tokens")
-    return [s if len(s) <= limit else [*s[: limit - 1], s[-1]] for s in sources]
-
-
-# %% [markdown]
+#
 # **Never `<unk>`.** An `<unk>` in a translation is never right, and greedy decoding can
-# write one after another, up to the length cap. Banning it, as the translator does,
-# raised an earlier cpu model's greedy validation BLEU from 34.0 to 37.2
-# ([results/README.md](results/README.md)). A wrapper sets the banned words'
-# log-probability to $-\infty$.
-
-
-# %%
-def without_words(scorer, banned: list[int]):
-    """A version of the `scorer` class whose next-word log-probabilities rule out `banned`."""
-
-    class Without(scorer):
-        def __call__(self, ys: Tensor) -> Tensor:
-            log_probs = super().__call__(ys)
-            log_probs[:, banned] = float("-inf")
-            return log_probs
-
-    return Without
-
-
-# %% [markdown]
+# write one after another, up to the length cap. The translator bans it (Part 2's
+# `banned`), which raised an earlier cpu model's greedy validation BLEU from 34.0 to 37.2
+# ([results/README.md](results/README.md)).
+#
 # The translator, folded below:
 #
 # * decodes greedily, unless handed another search (Part 7 hands it beam search);
@@ -1832,8 +1808,10 @@ def translate(model, sources, vocabs, *, search=None, cached=True):
     # the longest sequence that the positional-encoding tables cover
     limit = min(model.src_embed[1].table.size(0), model.tgt_embed[1].table.size(0))
     en, pad, ids = vocabs["en"], vocabs["de"].pad_id, vocabs["en"].special_ids()
-    scorer = without_words(CachedPrefix if cached else FullPrefix, [en.unk_id])
-    sources = cut_to_length(sources, limit)
+    scorer = functools.partial(CachedPrefix if cached else FullPrefix, banned=[en.unk_id])
+    if too_long := sum(len(s) > limit for s in sources):
+        print(f"cut {too_long} of {len(sources)} sources longer than {limit} tokens")
+    sources = [s if len(s) <= limit else [*s[: limit - 1], s[-1]] for s in sources]  # keep </s>
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[str]] = [[] for _ in sources]
     for start in range(0, len(order), 100):
@@ -1933,8 +1911,8 @@ def cached_self_attention(mha: MultiHeadAttention, cache: list, i: int, x: Tenso
 class CachedPrefix(FullPrefix):
     """Next-word log-probabilities from the newest word, with cached keys and values."""
 
-    def __init__(self, model: EncoderDecoder, memory: Tensor, src_mask: Tensor):
-        super().__init__(model, memory, src_mask)
+    def __init__(self, model: EncoderDecoder, memory: Tensor, src_mask: Tensor, banned=()):
+        super().__init__(model, memory, src_mask, banned)
         cross = [layer.cross_attn for layer in model.decoder.layers]
         # per layer, the encoder's keys and values (rows, h, S, d_k), projected once
         self.memory_kv = [
@@ -1950,7 +1928,9 @@ class CachedPrefix(FullPrefix):
         for i, layer in enumerate(self.model.decoder.layers):
             x = self.layer_step(i, layer, x)
         x = self.model.decoder.final_norm(x)
-        return self.model.generator(x[:, -1])  # (rows, V)
+        log_probs = self.model.generator(x[:, -1])  # (rows, V)
+        log_probs[:, self.banned] = float("-inf")
+        return log_probs
 
     def layer_step(self, i: int, layer: DecoderLayer, x: Tensor) -> Tensor:
         """One decoder layer for the newest position only: (rows, 1, d_model)."""
@@ -2115,8 +2095,7 @@ def average_last_epochs(model, history: list[dict], average, scores) -> list:
 
 
 # %%
-def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes=Processes(),
-          build=model_for):  # fmt: skip
+def train(settings, data: Multi30k, folder, *, device, processes=Processes(), build=model_for):
     """Train on `data`, from the last finished epoch in `folder`; `build` makes the model."""
     model = build(settings, data.vocabs).to(device)  # the same in every process
     en, rank, world_size = data.vocabs["en"], processes.rank, processes.world_size
@@ -2126,7 +2105,8 @@ def train(settings: Settings, data: Multi30k, folder: Path, *, device, processes
     average = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)  # §6.1
     kept = {"model": model, "optimizer": optimizer, "schedule": schedule, "average": average}
     history = trainer.load_last(folder, kept, settings.epochs, world_size=world_size)
-    learner, autocast = processes.wrap(model), trainer.autocast_for(device, settings.precision)
+    learner, bf16 = processes.wrap(model), settings.precision == "bf16"  # 16-bit products
+    autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=bf16)
     options = dict(accum_iter=settings.accum_iter, clip_norm=settings.clip_norm, autocast=autocast)
     scores = functools.partial(validate, model, data, settings, criterion, autocast=autocast)
     for epoch in range(len(history), settings.epochs):
@@ -2494,7 +2474,7 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 
 # %% active="ipynb"
 # test_results = evaluate_test(model, data, settings)
-# for key, value in test_results.items():  # BLEU and seconds
+# for key, value in test_results.items():  # BLEU, seconds and sacreBLEU's signature
 #     print(f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}")
 # # the standard the prose promises: one reference, cased, sacreBLEU's own 13a tokenizer
 # assert test_results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|")
@@ -2565,7 +2545,7 @@ def translate_with_attention(model: EncoderDecoder, source: list[int], vocabs: d
     """Translate one id list greedily, on the model's device: German, English tokens, maps."""
     de, en, device = vocabs["de"], vocabs["en"], next(model.parameters()).device
     (english,) = translate(model, [source], vocabs)  # <unk> is never written
-    output = [en.bos_id, *en.encode(english), en.eos_id]  # <s> ... </s>, as decoded
+    output = [en.bos_id, *en.encode(english), en.eos_id]  # <s> ... </s>: the words re-encoded
     src, tgt = torch.tensor(source, device=device), torch.tensor(output, device=device)
     maps = attention_maps(model, src, tgt, en.pad_id)
     return [de.itos[i] for i in source], [en.itos[i] for i in output], maps
@@ -2867,7 +2847,8 @@ def vocabulary_row(tokens: dict, de: Vocab, en: Vocab) -> dict:
         "English tokens a sentence": mean(len(en.encode(s)) for s in tokens["train"]["en"]),
         "unknown test tokens": f"{sum(i == en.unk_id for i in test) / len(test):.2%}",
         # the output layer is tied to the English table; a joint vocabulary is one matrix
-        "embedding parameters": (len(en) + (len(de) if de is not en else 0)) * CPU.d_model,
+        "embedding parameters": (len(en) + (len(de) if de is not en else 0))
+        * PRESETS["cpu"].d_model,
     }
 
 

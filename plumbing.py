@@ -137,16 +137,6 @@ SHA256 = {  # pinned when the project first fetched the files
 }
 
 
-def verify_checksum(path: Path) -> None:
-    """Raise DataError if `path` does not have its pinned SHA-256."""
-    expected = SHA256.get(path.name)
-    if expected is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() != expected:
-        raise DataError(
-            say("{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again",
-                path=path)
-        )  # fmt: skip
-
-
 def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
     """Download one file into `target`, checked, through a temporary file."""
     url = url_pattern.format(name=name)
@@ -170,7 +160,8 @@ def download(name: str, target: Path, url_pattern: str = MULTI30K_URL) -> Path:
 
 
 def split_file(split: str, lang: str, data_dir: Path = Path("data")) -> Path:
-    """Path of `<split>.<lang>.gz`: from MULTI30K_DIR if set, else downloaded to data_dir."""
+    """Path of `<split>.<lang>.gz`: from MULTI30K_DIR if set, else downloaded to data_dir;
+    checked against its pinned SHA-256 either way."""
     name = f"{split}.{lang}.gz"
     mirror = os.environ.get("MULTI30K_DIR")
     if mirror:
@@ -193,7 +184,12 @@ def split_file(split: str, lang: str, data_dir: Path = Path("data")) -> Path:
         path = Path(data_dir) / name
         if not path.is_file():
             download(name, path)
-    verify_checksum(path)
+    expected = SHA256.get(name)
+    if expected is not None and hashlib.sha256(path.read_bytes()).hexdigest() != expected:
+        raise DataError(
+            say("{path} has the wrong SHA-256 (damaged or altered): delete it and fetch it again",
+                path=path)
+        )  # fmt: skip
     return path
 
 
@@ -388,8 +384,14 @@ def run_folder(settings, data, namespace: dict, data_dir: Path, *, roots=("train
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(folder, kept)
         print(say("moved the earlier run to {kept}", kept=kept))
-    if not (folder / "manifest.json").is_file():
-        write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
+    if (folder / "manifest.json").is_file():
+        return folder
+    earlier = list(folder.parent.glob(f"{settings.name}-*/manifest.json"))
+    if earlier:  # a new folder beside earlier runs of the preset: say what changed since
+        newest = json.loads(max(earlier, key=lambda m: m.stat().st_mtime).read_text())
+        print(say("trained before with {changed}; this run trains anew",
+                  changed=differences(made_of, newest)))  # fmt: skip
+    write_atomically(folder / "manifest.json", json.dumps(made_of, indent=1).encode())
     return folder
 
 
@@ -417,20 +419,6 @@ def differences(mine: dict, theirs: dict) -> str:
         changes.append(say("torch {mine} (was {theirs})", mine=mine.get("torch"),
                            theirs=theirs.get("torch")))  # fmt: skip
     return say("; ").join(changes)
-
-
-def what_changed(folder: Path) -> str:
-    """How this run differs from the newest other run of its preset, in a few words ("" if
-    there is none, or if `folder` was not named by run_folder and has no manifest)."""
-    folder = Path(folder)
-    if not (folder / "manifest.json").is_file():
-        return ""
-    mine = json.loads((folder / "manifest.json").read_text())
-    preset = folder.name.rsplit("-", 1)[0]  # of <preset>-<8 hex digits>
-    others = [m for m in folder.parent.glob(f"{preset}-*/manifest.json") if m.parent != folder]
-    if not others:
-        return ""
-    return differences(mine, json.loads(max(others, key=lambda m: m.stat().st_mtime).read_text()))
 
 
 # --- checkpoints --------------------------------------------------------------------------

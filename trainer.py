@@ -14,10 +14,8 @@ processes, which need the twin's `train`, start from tools/train_ddp.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -29,16 +27,7 @@ from plumbing import (
     read_checkpoint,
     save_checkpoint,
     say,
-    what_changed,
 )
-
-
-def autocast_for(device: torch.device, precision: str):
-    """A factory of contexts: bf16 autocast on CUDA or a CPU if precision is "bf16"."""
-    if precision == "bf16" and device.type in ("cuda", "cpu"):
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
 
 # ---------------------------------------------------------------------------------------
 # The checkpoint of the last finished epoch: written, and read back
@@ -65,12 +54,8 @@ def load_last(folder: Path, kept: dict, epochs: int, *, world_size=1) -> list[di
     """Put last.pt back into the loop's `kept` objects, as save_last wrote them; return the
     history so far ([] if no epoch has finished, all `epochs` records if the run has)."""
     path = Path(folder) / "last.pt"
-    if not path.is_file():  # a run that starts from nothing: where, and what changed
-        if changed := what_changed(folder):
-            print(say("trained before with {changed}; training anew into {folder}",
-                      changed=changed, folder=folder))  # fmt: skip
-        else:
-            print(say("training into {folder}", folder=folder))
+    if not path.is_file():  # a run that starts from nothing
+        print(say("training into {folder}", folder=folder))
         return []
     checkpoint = read_checkpoint(path)
     check_made_of(checkpoint, kept, folder, path)
@@ -162,8 +147,6 @@ def run_record(model, history, settings, folder, test_results: dict, device) -> 
         "device": str(device),
         "run_folder": str(folder),
         "peak_memory_gb": peak_memory_gb(),  # of this process (the kernel), so far
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
         "settings": dataclasses.asdict(settings),
         "history": history,
     }

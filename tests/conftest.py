@@ -282,7 +282,7 @@ def quick_settings():
     import annotated_transformer as at
 
     return dataclasses.replace(
-        at.SMOKE, train_pairs=200, eval_pairs=20, batch_tokens=400, epochs=1, warmup=2,
+        at.PRESETS["smoke"], train_pairs=200, eval_pairs=20, batch_tokens=400, epochs=1, warmup=2,
         average_last=1,
     )  # fmt: skip
 

@@ -9,7 +9,6 @@ from conftest import CPU, assert_same_weights, quick_settings, train_as_the_note
 from torch import nn
 
 import annotated_transformer as at
-import trainer
 from plumbing import read_checkpoint
 
 # --- the schedule ------------------------------------------------------------------------
@@ -140,17 +139,28 @@ def tiny_batch():
 
 def test_precision_is_a_setting_and_a_wrong_one_stops_at_once():
     assert at.Settings(name="t").precision == "fp32"  # the default: the same numbers anywhere
-    assert {p.precision for p in (at.SMOKE, at.CPU)} == {"fp32"}  # every CPU: one translator
+    assert {at.PRESETS[p].precision for p in ("smoke", "cpu")} == {
+        "fp32"
+    }  # every CPU: one translator
     with pytest.raises(ValueError, match="precision='auto': use one of fp32, bf16"):
         at.Settings(name="t", precision="auto")
 
 
-def test_autocast_for_runs_the_products_in_bf16_only_when_asked():
-    a = torch.randn(4, 4)
-    for precision, dtype in [("bf16", torch.bfloat16), ("fp32", torch.float32)]:
-        with trainer.autocast_for(CPU, precision)():  # a factory: a fresh context each time
-            assert (a @ a).dtype == dtype, precision
-    assert (a @ a).dtype == torch.float32  # and it ends with its block
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
+def test_train_runs_the_products_in_bf16_only_when_asked(precision, dtype, quick_data, tmp_path):
+    a, seen = torch.randn(4, 4), []
+
+    class Watching(at.Processes):  # one process, which looks inside the epoch's autocast
+        def epoch(self, batches, model, criterion, optimizer, schedule, **options):
+            with options["autocast"]():  # a factory: a fresh context each epoch
+                seen.append((a @ a).dtype)
+            return super().epoch(batches, model, criterion, optimizer, schedule, **options)
+
+    settings = dataclasses.replace(quick_settings(), precision=precision)
+    at.train(settings, quick_data, tmp_path / "run", device=CPU, processes=Watching())
+    assert seen == [dtype] and (a @ a).dtype == torch.float32  # and it ends with its block
 
 
 # --- averaging ---------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def test_preparing_the_data_writes_no_cache(tmp_path, monkeypatch):
     """Tokens, vocabularies and merges are computed afresh each time: an edited cell that
     makes them reaches the data (tests/test_runs.py edits each), and only downloads and
     runs live on disk."""
-    settings = dataclasses.replace(at.SMOKE, train_pairs=50, eval_pairs=5)
+    settings = dataclasses.replace(at.PRESETS["smoke"], train_pairs=50, eval_pairs=5)
     subwords = lambda tokens, min_freq: at.subword_vocabularies(tokens, min_freq, merges=50)  # noqa: E731
     conftest.prepared_data(settings, tmp_path, monkeypatch, make_vocabs=subwords)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # MULTI30K_DIR: no download

@@ -76,7 +76,7 @@ def test_a_model_config_defaults_to_the_papers_base_model():
 def test_max_positions_sizes_the_positional_tables():
     model = at.make_model(11, 11, at.ModelConfig(N=1, d_model=8, d_ff=16, h=2, max_positions=40))
     assert model.src_embed[1].table.size(0) == 40
-    preset_model = at.model_for(at.SMOKE, {"de": range(11), "en": range(13)})
+    preset_model = at.model_for(at.PRESETS["smoke"], {"de": range(11), "en": range(13)})
     assert preset_model.src_embed[1].table.size(0) == at.MAX_POSITIONS
 
 

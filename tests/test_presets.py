@@ -27,7 +27,7 @@ def a_gpu(monkeypatch):
 
 def test_unset_a_gpu_gets_the_cpu_preset(a_gpu):
     for a_gpu["now"] in [(7, 5), (8, 0), (9, 0)]:
-        assert presets.get_settings() == presets.CPU
+        assert presets.get_settings() == presets.PRESETS["cpu"]
 
 
 def test_the_gpu_preset_is_chosen_by_name(a_gpu, monkeypatch):
@@ -44,7 +44,9 @@ def test_the_gpu_presets_precision_follows_the_hardware(a_gpu, capability, preci
     a_gpu["now"] = capability  # 7.5: a T4; 8.0: an A100; 9.0: an H100
     settings = presets.get_settings("gpu")
     assert settings.precision == precision
-    assert settings == dataclasses.replace(presets.GPU, precision=precision)  # nothing else
+    assert settings == dataclasses.replace(
+        presets.PRESETS["gpu"], precision=precision
+    )  # nothing else
 
 
 def test_without_cuda_the_gpu_preset_is_fp32(monkeypatch):

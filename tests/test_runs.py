@@ -76,7 +76,8 @@ def test_an_edit_says_what_changed_and_trains_beside_the_old_run(
     namespace = edited(monkeypatch, "    d_k = query.size(-1)\n", "    d_k = 2 * query.size(-1)\n")
     _, _, folder = train_as_the_notebook(SETTINGS, quick_data, tmp_path, namespace)
     out = capsys.readouterr().out
-    assert f"trained before with other code for: attention; training anew into {folder}" in out
+    assert "trained before with other code for: attention; this run trains anew" in out
+    assert out.index("this run trains anew") < out.index(f"training into {folder}")
     assert len(list((tmp_path / "checkpoints").glob("*/last.pt"))) == 2  # the old one kept
 
 
@@ -280,7 +281,7 @@ def test_an_unchanged_run_loads_and_a_changed_setting_trains_beside_it(
     changed = dataclasses.replace(SETTINGS, dropout=0.2, lr_factor=2.0)
     second, _, second_folder = train_as_the_notebook(changed, quick_data, tmp_path)
     out = capsys.readouterr().out
-    assert "other settings for: dropout, lr_factor; training anew" in out
+    assert "other settings for: dropout, lr_factor; this run trains anew" in out
     assert second_folder != folder and (folder / "last.pt").is_file()
     assert not same_weights(first, second)
 

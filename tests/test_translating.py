@@ -391,9 +391,9 @@ def lockstep(record: list):
     cached = at.CachedPrefix  # the notebook's, also where a test puts Lockstep in its place
 
     class Lockstep(at.FullPrefix):
-        def __init__(self, model, memory, src_mask):
-            super().__init__(model, memory, src_mask)
-            self.cached = cached(model, memory, src_mask)
+        def __init__(self, model, memory, src_mask, banned=()):
+            super().__init__(model, memory, src_mask, banned)
+            self.cached = cached(model, memory, src_mask, banned)
             self.steps, self.gap, self.moved = 0, 0.0, False
             record.append(self)
 

@@ -50,7 +50,6 @@ sys.path.insert(0, str(ROOT))
 
 import annotated_transformer as at  # noqa: E402  (defines names, runs nothing)
 import plumbing  # noqa: E402
-import trainer  # noqa: E402
 from plumbing import peak_memory_gb, prepare_cpu_memory, read_checkpoint  # noqa: E402
 
 
@@ -197,11 +196,18 @@ def fixed_batches(data: at.Multi30k, settings: at.Settings, count: int, device) 
     return [at.collate(data.train, b, pad_id).to(device) for b in indices[:count]]
 
 
+def autocast_for(device, precision: str):
+    """The autocast context factory that the notebook's `train` builds."""
+    return functools.partial(
+        torch.autocast, device.type, torch.bfloat16, enabled=precision == "bf16"
+    )
+
+
 def as_a_run_trains(settings: at.Settings, device, precision: str) -> dict:
     """The clipping and mixed precision that the notebook's `train` gives run_epoch."""
     return {
         "clip_norm": settings.clip_norm,
-        "autocast": trainer.autocast_for(device, precision),
+        "autocast": autocast_for(device, precision),
     }
 
 
@@ -470,7 +476,7 @@ def run_reference(text_pairs, training, tokenizers, settings, vocabs, *, precisi
         optimizer,
         schedule,
         accum_iter=REFERENCE["accum_iter"],
-        autocast=trainer.autocast_for(device, precision),
+        autocast=autocast_for(device, precision),
     )
     return counted(batches)
 

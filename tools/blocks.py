@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", choices=list(BUILDERS))
     parser.add_argument("--speed", action="store_true", help="time a step of each block")
-    parser.add_argument("--seed", type=int, default=at.SEED)
+    parser.add_argument("--seed", type=int, default=at.Settings.seed)
     parser.add_argument("--preset", default="cpu", choices=list(at.PRESETS))
     parser.add_argument("--out", default=str(ROOT / "build" / "blocks.jsonl"))
     args = parser.parse_args()

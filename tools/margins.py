@@ -86,7 +86,7 @@ def run_check(at, name: str, seed: int) -> dict:
 
         import plumbing
 
-        settings = at.dataclasses.replace(at.SMOKE, seed=seed)
+        settings = at.dataclasses.replace(at.PRESETS["smoke"], seed=seed)
         with tempfile.TemporaryDirectory() as folder:
             data = at.prepare_data(settings, Path(folder))
             run = plumbing.run_folder(settings, data, vars(at), Path(folder))
