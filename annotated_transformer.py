@@ -1328,13 +1328,10 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 
 
 # %%
-COPY_MAX_STEPS = 1500  # over twice the most that a copy we measured needed (tests/MARGINS.md)
-
-
 def train_copy_task(
     until=None,
     *,
-    max_steps: int = COPY_MAX_STEPS,
+    max_steps: int = 1500,  # over twice the most that a copy we measured needed (tests/MARGINS.md)
     seed: int = Settings.seed,
     make_batch=copy_batch,
     config: ModelConfig | None = None,
@@ -1366,14 +1363,10 @@ def train_copy_task(
 # %%
 def decodes_exactly(sources: Tensor, targets: Tensor, scorer=FullPrefix):
     """A test for `until`: does greedy decoding turn every source row into its target row?"""
-
-    def test(model) -> bool:
-        source_mask = (sources != COPY_IDS.pad).unsqueeze(-2)
-        length = targets.size(1)
-        output = greedy_decode(model, sources, source_mask, length, ids=COPY_IDS, scorer=scorer)
-        return torch.equal(output, targets)
-
-    return test
+    source_mask, length = (sources != COPY_IDS.pad).unsqueeze(-2), targets.size(1)
+    return lambda model: torch.equal(
+        greedy_decode(model, sources, source_mask, length, ids=COPY_IDS, scorer=scorer), targets
+    )
 
 
 # %% [markdown]
@@ -1387,7 +1380,7 @@ def decodes_exactly(sources: Tensor, targets: Tensor, scorer=FullPrefix):
 # copy_model, copy_steps = train_copy_task(until=copies_held_out)
 # copied = greedy_decode(copy_model, held_out.src, held_out.src_mask, 12, ids=COPY_IDS)
 # print("a held-out sequence and its copy:", held_out.src[0].tolist(), copied[0].tolist())
-# assert torch.equal(copied, held_out.src), f"not every sequence copied in {COPY_MAX_STEPS} steps"
+# assert torch.equal(copied, held_out.src), f"not every sequence copied in {copy_steps} steps"
 # print(f"every held-out sequence copied after {copy_steps} optimizer steps")
 
 

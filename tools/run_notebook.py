@@ -20,27 +20,20 @@ from papermill.engines import NBClientEngine, papermill_engines
 from traitlets.config import Config
 
 
-def sections(notebook) -> list[str]:
-    """For each cell, the "Part › section" headings it sits under."""
-    part = section = ""
-    found = []
-    for cell in notebook.cells:
-        if cell.cell_type == "markdown":
-            for hashes, title in re.findall(r"^(#{2,3})\s+(.+)$", cell.source, re.MULTILINE):
-                if len(hashes) == 2:
-                    part, section = title.strip(), ""
-                else:
-                    section = title.strip()
-        found.append(" › ".join(t for t in (part, section) if t))
-    return found
-
-
 class ProgressEngine(NBClientEngine):
     """papermill's nbclient engine, announcing each section as execution enters it."""
 
     @classmethod
     def execute_managed_notebook(cls, nb_man, kernel_name, **kwargs):
-        titles = sections(nb_man.nb)
+        titles, part, section = [], "", ""  # each cell's "Part › section" headings
+        for cell in nb_man.nb.cells:
+            if cell.cell_type == "markdown":
+                for hashes, title in re.findall(r"^(#{2,3})\s+(.+)$", cell.source, re.MULTILINE):
+                    if len(hashes) == 2:
+                        part, section = title.strip(), ""
+                    else:
+                        section = title.strip()
+            titles.append(" › ".join(t for t in (part, section) if t))
         code_cells = sum(c.cell_type == "code" for c in nb_man.nb.cells)
         start, started = time.monotonic(), nb_man.cell_start
         shown = {"title": None, "code": 0}
@@ -58,7 +51,7 @@ class ProgressEngine(NBClientEngine):
         return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
 
 
-def main() -> None:
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="the notebook to run")
     parser.add_argument("target", type=Path, help="where to write the executed notebook")
@@ -87,7 +80,3 @@ def main() -> None:
     )
     elapsed = datetime.timedelta(seconds=int(time.monotonic() - start))  # 0:17:33
     print(f"[{elapsed}] done: executed notebook in {args.target}")
-
-
-if __name__ == "__main__":
-    main()
