@@ -146,11 +146,13 @@ def set_seed(seed: int) -> None:
 # set_seed(Settings.seed)
 
 # %% [markdown]
-# The next cell picks a *preset*, one record of every setting: cpu, a small model that
-# trains for 13 epochs on two CPU cores, or gpu, the paper's base model; smoke is a toy for
-# the tests. Unset, `AT_PRESET` means cpu, on a GPU too: start Jupyter with
-# `AT_PRESET=gpu` to train the base model, as the cell reminds you when it finds a GPU.
-# Part 6 explains the presets.
+# The next cell picks a *preset*, one record of every setting:
+#
+# * cpu, a small model that trains for 13 epochs on two CPU cores, the default;
+# * gpu, the paper's base model, when `AT_PRESET=gpu` asks for it;
+# * smoke, a toy for the tests.
+#
+# Part 6 explains them.
 
 # %% active="ipynb"
 # settings = get_settings()
@@ -181,14 +183,48 @@ def set_seed(seed: int) -> None:
 # Attention's work grows with the square of a sentence's length, but sentences are
 # usually shorter than the vectors are wide (about 15 tokens here, against the base
 # model's 512), so by this count it is the cheapest layer; for inputs longer than $d$
-# the square makes it costlier than recurrence. The table leaves out the
-# products around each layer (attention's four projections add $4 \cdot n \cdot d^2$);
-# with them, attention and recurrence are both of the order of $n \cdot d^2$ at such
-# lengths. Against recurrence attention wins both last columns: in training nothing waits,
-# and a short path keeps a signal that many steps would fade. Convolutional translators
+# the square makes it costlier than recurrence. The table leaves out the projections
+# around each layer (attention's four add $4 \cdot n \cdot d^2$); with them, attention
+# and recurrence are of the same order at such lengths. Convolutional translators
 # (ByteNet, ConvS2S) had already stopped the waiting, but linked distant words only
 # through a stack of layers (§2).
 #
+# The cell below shows the last two columns on 15 random words. A recurrent layer takes
+# 15 steps, each waiting for the one before, and the gradient from its last state back to
+# the first word passes through 14 of them. Each multiplies it by the step's weights and
+# by tanh's slope, at most 1; weights that halve a vector leave at most $0.5^{14}$.
+# (Weights that lengthen one make it explode instead; LSTMs ease both, but the path stays
+# 14 steps long.) Self-attention mixes the 15 words in one product, and the first word
+# reaches the last output with about its weight, 1/15.
+
+# %% active="ipynb"
+# torch.manual_seed(0)
+# n, d = 15, 8
+# words = 0.1 * torch.randn(n, d)  # 15 small word vectors
+# W = 0.5 * torch.linalg.qr(torch.randn(d, d)).Q  # turns a vector and halves its length
+#
+#
+# def recurrent(first):  # 15 steps, each waiting for the one before
+#     h = torch.zeros(d)
+#     for x in [first, *words[1:]]:
+#         h = torch.tanh(W @ h + x)
+#     return h  # the state after the last word
+#
+#
+# def self_attention(first):  # one product over all 15 words at once
+#     x = torch.cat([first[None], words[1:]])
+#     return torch.softmax(x[-1] @ x.T, dim=0) @ x  # the last word's output
+#
+#
+# gain = {  # the largest gain from the first word to the last output
+#     layer: torch.linalg.matrix_norm(torch.autograd.functional.jacobian(layer, words[0]), ord=2)
+#     for layer in (recurrent, self_attention)
+# }
+# print(f"recurrent layer: gain {gain[recurrent]:.1e} from the first word to the last output")
+# print(f"self-attention: gain {gain[self_attention]:.1e} from the first word to the last output")
+# assert gain[recurrent] <= 0.5**14 * 1.001 and gain[self_attention] > 0.01
+
+# %% [markdown]
 # The Transformer is "the first transduction model relying entirely on self-attention
 # to compute representations of its input and output without using sequence-aligned RNNs
 # or convolution."
@@ -1213,14 +1249,11 @@ def params_after_one_step(model, batches: list[Batch], accum_iter: int) -> Tenso
 # 3. append the most probable word until every sentence has written `</s>` (then
 #    padding) or the length cap is reached.
 #
-# The decoder is then a function from a prefix to the next word's log-probabilities,
-# `greedy_decode`'s `scorer`. `FullPrefix`, the plainest, reruns the decoder over the
-# whole prefix at each call and keeps the last position: about $n^2/2$ word passes for
-# $n$ words.
-#
-# It is a class, built once per batch and called with each prefix, so that Part 5's
-# faster scorer can keep a cache between calls; its `reorder`, empty here, lets that
-# cache follow the rows beam search (Part 7) keeps. Its `banned` words are never written.
+# The decoder is then a function from a prefix to the next word's log-probabilities.
+# `FullPrefix` reruns the decoder over the whole prefix at each call and keeps the last
+# position: about $n^2/2$ word passes for $n$ words. Its `banned` words are never written.
+# It is a class so that a faster one can keep a cache between calls (Appendix E);
+# `reorder` serves that cache, and does nothing here.
 
 
 # %%
@@ -1450,7 +1483,6 @@ from plumbing import DataError, load_pairs, prepare_cpu_memory, write_atomically
 
 # downloads and checkpoints (the tests point it into build/smoke/)
 DATA_DIR = Path(os.environ.get("AT_DATA_DIR", "data"))
-BUILD_DIR = Path(os.environ.get("AT_BUILD_DIR", "build"))  # results of a run
 
 # %% [markdown]
 # One line of plumbing makes CPU training ask for memory less often (plumbing.py gives the
@@ -1588,13 +1620,13 @@ def build_vocab(sentences: list[list[str]], min_freq: int = 2) -> Vocab:
 
 
 # %%
-def vocabularies(train_tokens: dict, min_freq: int) -> dict:
+def vocabularies(train_tokens: dict, min_freq: int = 2) -> dict:
     """A word vocabulary per language, from the training tokens."""
     return {lang: build_vocab(train_tokens[lang], min_freq) for lang in ("de", "en")}
 
 
 # %% active="ipynb"
-# vocabs = vocabularies(tokens["train"], settings.min_freq)
+# vocabs = vocabularies(tokens["train"])
 # assert 5000 < len(vocabs["en"]) < len(vocabs["de"]) < 10000
 
 # %% [markdown]
@@ -1737,10 +1769,10 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
     for split in ("val", "test_2016_flickr"):
         text[split] = text[split][: settings.eval_pairs]
     tokens = {s: tokenize_pairs(pairs, tokenizers) for s, pairs in text.items()}
-    vocabs = make_vocabs(tokens["train"], settings.min_freq)
+    vocabs = make_vocabs(tokens["train"])
     return Multi30k(
         vocabs=vocabs,
-        train=encode_pairs(tokens["train"], vocabs, settings.max_train_len),
+        train=encode_pairs(tokens["train"], vocabs, max_train_len=64),  # longer ones go
         val=encode_pairs(tokens["val"], vocabs),
         test=encode_pairs(tokens["test_2016_flickr"], vocabs),
         val_text=text["val"],
@@ -1749,7 +1781,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
 
 
 # %% active="ipynb"
-# full_train = encode_pairs(tokens["train"], vocabs, settings.max_train_len)
+# full_train = encode_pairs(tokens["train"], vocabs, max_train_len=64)  # as prepare_data
 # epoch_batches = bucket_batches(full_train, settings.batch_tokens, seed=settings.seed, epoch=0)
 # efficiency = padding_efficiency(full_train, epoch_batches)
 # print(f"{len(full_train):,} pairs in {len(epoch_batches)} batches, {efficiency:.1%} real")
@@ -1950,8 +1982,8 @@ class CachedPrefix(FullPrefix):
 # * a checkpoint at each epoch's end, so that a stopped run goes on from there;
 # * optionally, the average of the last epochs' weights, as the paper did (§6.1).
 #
-# Everything that shapes what is learned is a setting, fixed before the first step and
-# shown in the table below.
+# Every setting that shapes what is learned is fixed before the first step, and shown in
+# the table below.
 #
 # ### The presets
 #
@@ -1960,20 +1992,18 @@ class CachedPrefix(FullPrefix):
 # * smoke is a toy, one layer of width 32, that shows every piece runs, in minutes; the
 #   tests use it.
 # * cpu is the one two CPU cores train: 3.1 million parameters, four layers of width 128 and 4
-#   heads, trained for 13 epochs in float32. Its other choices were weighed on the
+#   heads, for 13 epochs in float32. Its other choices were weighed on the
 #   validation split ([What matters in a short
 #   run](#Appendix-B:-what-matters-in-a-short-run)): pre-norm layers, small batches, word
 #   vocabularies, no averaging, and $\alpha = 1$ in beam search (Part 7).
-# * gpu is the paper's base model. On 29,000 sentence pairs its 51 million parameters
-#   would soon memorise the training set, so it borrows dropout 0.3 and a peak rate of
-#   $5 \times 10^{-4}$ from fairseq's recipe for a small corpus. No GPU has run it yet,
-#   so a GPU runs cpu unless `AT_PRESET=gpu` asks for it. Its matrix products are *bf16*
-#   (16-bit floats with float32's range but fewer digits) where the GPU computes bf16 in
-#   hardware, else fp32.
+# * gpu is the paper's base model, 51 million parameters, with fairseq's dropout 0.3 and
+#   peak rate $5 \times 10^{-4}$ for a small corpus, and *bf16* products (16-bit floats
+#   with float32's range) where the GPU has them. No GPU has run it yet, so it trains only
+#   when `AT_PRESET=gpu` asks.
 #
 # Every field, with its reason, is in [presets.py](presets.py). On a slow machine,
-# `dataclasses.replace(settings, epochs=6)` trains a whole run of 6 epochs instead of 13,
-# for less validation BLEU. A changed data setting, such as `min_freq`, needs
+# `dataclasses.replace(settings, epochs=6)` trains 6 epochs instead of 13, for less
+# validation BLEU. A changed data setting, such as `train_pairs`, needs
 # `prepare_data` again (Part 4).
 
 # %% active="ipynb"
@@ -2030,11 +2060,8 @@ def total_steps(pairs, settings, processes=Processes()) -> int:
 # %%
 def pick_device() -> torch.device:
     """CUDA if present, else Apple's MPS, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    mps = torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
 
 
 MAX_POSITIONS = 256  # rows of the positional tables: the longest input or output
@@ -2092,7 +2119,7 @@ def train(settings, data: Multi30k, folder, *, device, processes=Processes(), bu
     """Train on `data`, from the last finished epoch in `folder`; `build` makes the model."""
     model = build(settings, data.vocabs).to(device)  # the same in every process
     en, rank, world_size = data.vocabs["en"], processes.rank, processes.world_size
-    criterion = FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+    criterion = FastLabelSmoothing(len(en), en.pad_id, smoothing=0.1)  # the paper's (§5.4)
     steps = total_steps(data.train, settings, processes)  # where the linear rate ends
     optimizer, schedule = make_optimizer(model, settings, total_steps=steps)
     average = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)  # §6.1
@@ -2477,7 +2504,8 @@ def evaluate_test(model, data: Multi30k, settings: Settings) -> dict:
 
 # %% active="ipynb"
 # record = trainer.run_record(model, history, settings, folder, test_results, device)
-# write_atomically(BUILD_DIR / "results.json", json.dumps(record, indent=2).encode())
+# results_file = Path(os.environ.get("AT_BUILD_DIR", "build"), "results.json")  # tests: build/smoke
+# write_atomically(results_file, json.dumps(record, indent=2).encode())
 # assert record["settings"] == dataclasses.asdict(settings) and record["history"] == history
 
 # %% [markdown]
@@ -2807,7 +2835,7 @@ class SubwordVocab(Vocab):
 SUBWORD_MERGES = 8000
 
 
-def subword_vocabularies(train_tokens: dict, min_freq: int, merges=SUBWORD_MERGES) -> dict:
+def subword_vocabularies(train_tokens: dict, min_freq: int = 2, merges=SUBWORD_MERGES) -> dict:
     """One joint sub-word vocabulary, under both languages' names."""
     learned = learned_merges(train_tokens, merges)
     splitter = bpe_splitter(learned)
@@ -2846,7 +2874,7 @@ def vocabulary_row(tokens: dict, de: Vocab, en: Vocab) -> dict:
 
 
 # %% active="ipynb"
-# subword_vocabs = subword_vocabularies(tokens["train"], settings.min_freq, SUBWORD_MERGES)
+# subword_vocabs = subword_vocabularies(tokens["train"], merges=SUBWORD_MERGES)
 # joint = subword_vocabs["de"]
 # print(joint.pieces(["Eine", "Frau", "liest", "über", "Quantencomputer", "."]))
 # vocab_rows = [vocabulary_row(tokens, v["de"], v["en"]) for v in (vocabs, subword_vocabs)]

@@ -26,10 +26,8 @@ class Settings:
     h: int = 8  # attention heads
     dropout: float = 0.1  # the paper's P_drop
     pre_norm: bool = False  # False is the paper's post-norm
-    max_train_len: int = 64  # longest sentence kept for training, in tokens with <s> and </s>
     train_pairs: int | None = None  # None uses all 29,000 training pairs
     eval_pairs: int | None = None  # None decodes every val/test sentence
-    min_freq: int = 2  # a word seen fewer times in training becomes <unk> (a piece splits)
     batch_tokens: int = 4000  # token budget of one micro-batch (padding included)
     accum_iter: int = 1  # micro-batches per optimizer step
     epochs: int = 10  # passes over the training pairs; the linear schedule ends with the last
@@ -38,7 +36,6 @@ class Settings:
     clip_norm: float | None = None  # clip the gradient's norm to this (the paper: silent)
     precision: typing.Literal["fp32", "bf16"] = "fp32"  # bf16: autocast's 16-bit products
     average_last: int = 1  # the final weights: the average of the last this many epochs
-    label_smoothing: float = 0.1  # the paper's epsilon_ls
     beam_size: int = 4  # the paper's beam size
     length_penalty: float = 0.6  # the paper's alpha
     seed: int = 42  # the default seed of every preset

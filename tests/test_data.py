@@ -198,9 +198,9 @@ def real_train(tmp_path_factory, multi30k):
     settings = at.get_settings("cpu")
     text = at.load_pairs("train", at.DATA_DIR)
     tokens = at.tokenize_pairs(text, at.make_tokenizers())
-    vocabs = at.vocabularies(tokens, settings.min_freq)
+    vocabs = at.vocabularies(tokens)
     mp.undo()
-    return settings, vocabs, at.encode_pairs(tokens, vocabs, settings.max_train_len)
+    return settings, vocabs, at.encode_pairs(tokens, vocabs, max_train_len=64)
 
 
 def test_vocabulary_comes_from_training_data_only(real_train):
@@ -261,7 +261,7 @@ def test_preparing_the_data_writes_no_cache(tmp_path, monkeypatch):
     makes them reaches the data (tests/test_runs.py edits each), and only downloads and
     runs live on disk."""
     settings = dataclasses.replace(at.PRESETS["smoke"], train_pairs=50, eval_pairs=5)
-    subwords = lambda tokens, min_freq: at.subword_vocabularies(tokens, min_freq, merges=50)  # noqa: E731
+    subwords = lambda tokens: at.subword_vocabularies(tokens, merges=50)  # noqa: E731
     conftest.prepared_data(settings, tmp_path, monkeypatch, make_vocabs=subwords)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # MULTI30K_DIR: no download
 

@@ -82,7 +82,7 @@ def reference_training(settings, data, world_size):
         model, settings, total_steps=total, ranks=world_size
     )
     en = data.vocabs["en"]
-    criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)  # train's
+    criterion = at.FastLabelSmoothing(len(en), en.pad_id)  # train's
     per_step = settings.accum_iter * world_size  # rank r holds batches r, r + W, ...
     for epoch in range(settings.epochs):
         indices = at.bucket_batches(

@@ -198,7 +198,7 @@ def test_an_edited_data_function_reaches_the_data_and_names_a_new_folder(
         vocabs = namespace["vocabularies"]
         if subwords:
             joint = namespace["subword_vocabularies"]
-            vocabs = lambda tokens, min_freq: joint(tokens, min_freq, merges=200)  # noqa: E731
+            vocabs = lambda tokens: joint(tokens, merges=200)  # noqa: E731
         return namespace["prepare_data"](SETTINGS, tmp_path, make_vocabs=vocabs)
 
     before = prepare(lesson_copy(monkeypatch))

@@ -19,7 +19,7 @@ MERGES = 300
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    subwords = lambda tokens, min_freq: at.subword_vocabularies(tokens, min_freq, MERGES)  # noqa: E731
+    subwords = lambda tokens: at.subword_vocabularies(tokens, merges=MERGES)  # noqa: E731
     return prepared_data(SMALL, tmp_path, monkeypatch, make_vocabs=subwords)
 
 

@@ -52,7 +52,7 @@ def speed(settings, data, device, rounds: int = 6, steps: int = 20) -> dict:
     steps_of_run = at.total_steps(data.train, settings)  # the run's schedule, its first steps
     for block in BUILDERS:
         model = (at.modern_model_for if block == "modern" else at.model_for)(settings, data.vocabs)
-        criterion = at.FastLabelSmoothing(len(en), en.pad_id, settings.label_smoothing)
+        criterion = at.FastLabelSmoothing(len(en), en.pad_id)
         optimizer, schedule = at.make_optimizer(model, settings, total_steps=steps_of_run)
         learners[block] = (model.to(device), criterion, optimizer, schedule)
     for r in range(rounds):
