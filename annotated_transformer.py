@@ -163,81 +163,13 @@ def set_seed(seed: int) -> None:
 # %% [markdown]
 # ## Background
 #
-# Before 2017 the strongest translation models were recurrent networks with attention:
-# they read a sentence one word at a time, carrying what they have seen in one state.
-# Attention was their repair: rather than squeeze a whole sentence into that one state, the
-# decoder looks back at every source word's state as it writes (Bahdanau et al., 2014). The
-# recurrence stayed, so training cannot compute a sentence's positions in parallel, and two
-# distant words of one sentence are linked only through every state in between.
-# *Self-attention*, on which the Transformer relies entirely, links them in one step.
-#
-# **Why attention pays** (§4, Table 1). For a sentence of $n$ words, each a vector of
-# width $d$:
-#
-# | layer | work per layer | steps that must wait for each other | longest path between two words |
-# |---|---|---|---|
-# | self-attention | $n^2 \cdot d$ | 1 | 1 |
-# | recurrent | $n \cdot d^2$ | $n$ | $n$ |
-# | convolutional, kernel $k$, dilated | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
-#
-# Attention's work grows with the square of a sentence's length, but sentences are
-# usually shorter than the vectors are wide (about 15 tokens here, against the base
-# model's 512), so by this count it is the cheapest layer; for inputs longer than $d$
-# the square makes it costlier than recurrence. The table leaves out the projections
-# around each layer (attention's four add $4 \cdot n \cdot d^2$); with them, attention
-# and recurrence are of the same order at such lengths. Convolutional translators
-# (ByteNet, ConvS2S) had already stopped the waiting, but linked distant words only
-# through a stack of layers (§2).
-#
-# The cell below shows the last two columns on 15 random words. A recurrent layer takes
-# 15 steps, each waiting for the one before, and the gradient from its last state back to
-# the first word passes through 14 of them. Each multiplies it by the step's weights and
-# by tanh's slope, at most 1; weights that halve a vector leave at most $0.5^{14}$.
-# (Weights that lengthen one make it explode instead; LSTMs ease both, but the path stays
-# 14 steps long.) Self-attention mixes the 15 words in one product, and the first word
-# reaches the last output with about its weight, 1/15.
-
-# %% active="ipynb"
-# torch.manual_seed(0)
-# n, d = 15, 8
-# words = 0.1 * torch.randn(n, d)  # 15 small word vectors
-# W = 0.5 * torch.linalg.qr(torch.randn(d, d)).Q  # turns a vector and halves its length
-#
-#
-# def recurrent(first):  # 15 steps, each waiting for the one before
-#     h = torch.zeros(d)
-#     for x in [first, *words[1:]]:
-#         h = torch.tanh(W @ h + x)
-#     return h  # the state after the last word
-#
-#
-# def self_attention(first):  # one product over all 15 words at once
-#     x = torch.cat([first[None], words[1:]])
-#     return torch.softmax(x[-1] @ x.T, dim=0) @ x  # the last word's output
-#
-#
-# gain = {  # the largest gain from the first word to the last output
-#     layer: torch.linalg.matrix_norm(torch.autograd.functional.jacobian(layer, words[0]), ord=2)
-#     for layer in (recurrent, self_attention)
-# }
-# print(f"recurrent layer: gain {gain[recurrent]:.1e} from the first word to the last output")
-# print(f"self-attention: gain {gain[self_attention]:.1e} from the first word to the last output")
-# assert gain[recurrent] <= 0.5**14 * 1.001 and gain[self_attention] > 0.01
-
-# %% [markdown]
-# The Transformer is "the first transduction model relying entirely on self-attention
-# to compute representations of its input and output without using sequence-aligned RNNs
-# or convolution."
-#
 # **Attention is a soft lookup.** A Python dictionary gives the value whose key equals
 # the query, and fails on any other. Attention gives an average of the values, each
 # weighted by how well its key matches the query, with weights that sum to 1. A small
 # change to the query changes the answer a little, so training can learn what to ask.
-# Below, "puppy" is none of the three keys, yet puts most weight on dog. The 4 sharpens
-# the softmax; Part 1 scales the scores down, by $1 / \sqrt{d_k}$. In
-# self-attention the queries, keys and values are all learned projections of one
-# sentence's words: each word looks up the words of its own sentence (in the decoder,
-# only those up to itself).
+# Below, "puppy" is none of the three keys, yet puts most weight on dog. Multiplying the
+# scores by 4 makes the weights sharper; Part 1 divides its scores by $\sqrt{d_k}$ instead,
+# because wide vectors give large scores.
 
 # %% active="ipynb"
 # lookup = {"dog": 1.0, "cat": 2.0, "car": 3.0}
@@ -248,6 +180,59 @@ def set_seed(seed: int) -> None:
 # weights = torch.softmax(4 * (keys @ puppy), dim=0)  # how well each key matches
 # print(f"weights {weights.numpy().round(2)}: the answer {(weights @ values).item():.2f}")
 # assert math.isclose(weights.sum().item(), 1.0, rel_tol=1e-6) and weights.argmax() == 0
+
+# %% [markdown]
+# **Attention in translation.** Before 2017 the strongest translation models were
+# recurrent networks: they read a sentence one word at a time, carrying what they have
+# seen in one state. Attention was their repair (Bahdanau et al., 2014): rather than
+# squeeze a whole sentence into that one state, the decoder looks up every source word's
+# state as it writes, its own state the query. The recurrence stayed, so
+# training cannot compute a sentence's positions in parallel, and two distant words are
+# linked only through every state in between. *Self-attention*, on which the Transformer
+# relies entirely, links them in one step: the queries, keys and values are all learned
+# projections of one sentence's words, so each word looks up the words of its own
+# sentence (in the decoder, only those up to itself).
+#
+# **Why drop recurrence** (§4, Table 1). For a sentence of $n$ words, each a vector of
+# width $d$:
+#
+# | layer | work per layer | steps that must wait for each other | longest path between two words |
+# |---|---|---|---|
+# | self-attention | $n^2 \cdot d$ | 1 | 1 |
+# | recurrent | $n \cdot d^2$ | $n$ | $n$ |
+# | convolutional, kernel $k$, dilated | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
+#
+# The work is of one order: sentences here (about 15 tokens) are shorter than the vectors
+# are wide (512 in the base model), so attention's $n^2 \cdot d$ is the smaller, but its
+# four projections, left out of the table, add $4 \cdot n \cdot d^2$. Attention wins the
+# last two columns outright. Convolutional translators (ByteNet, ConvS2S) had already
+# stopped the waiting, but linked distant words only through a stack of layers (§2).
+#
+# The cell below shows both columns on 15 random words. A recurrent layer takes 15 steps,
+# each waiting for the one before, and a nudge to the first word reaches the last state
+# through 14 of them. Each multiplies it by the weights and by tanh's slope, at most 1: with
+# these weights, which halve a vector, at most $0.5^{14}$ is left. (Weights that lengthen a
+# vector make it explode instead; LSTMs ease both, but the path stays 14 steps long.)
+# Self-attention reaches the first word in one product, with about its weight, 1/15.
+
+# %% active="ipynb"
+# torch.manual_seed(0)
+# words = (0.1 * torch.randn(15, 8)).requires_grad_()  # 15 small word vectors of width 8
+# W = 0.5 * torch.eye(8)  # recurrent weights that halve a vector
+# h = torch.zeros(8)
+# for x in words:  # 15 steps, each waiting for the one before
+#     h = torch.tanh(W @ h + x)
+# out = torch.softmax(words @ words[-1], dim=0) @ words  # self-attention, last word: one product
+# # how far a nudge to the first word moves the first number of each last output
+# by_recurrence = torch.autograd.grad(h[0], words)[0][0].norm().item()
+# by_attention = torch.autograd.grad(out[0], words)[0][0].norm().item()
+# print(f"recurrent layer: {by_recurrence:.1e}; self-attention: {by_attention:.1e}")
+# assert by_recurrence < 0.5**14 and by_attention > 0.01
+
+# %% [markdown]
+# The Transformer is "the first transduction model relying entirely on self-attention
+# to compute representations of its input and output without using sequence-aligned RNNs
+# or convolution."
 
 # %% [markdown]
 # ## Part 1: the model
@@ -301,8 +286,8 @@ class TokenEmbedding(nn.Module):
 # positions. Why waves? Two reasons, both the paper's:
 #
 # * **Relative positions.** For any fixed offset $k$, $PE_{pos+k}$ is a linear function
-#   of $PE_{pos}$, so "three places back" looks the same everywhere, which should make it
-#   easy to attend to.
+#   of $PE_{pos}$, the same function at every position, which should make "three places
+#   back" easy to attend to.
 # * **Longer sentences.** Learned position vectors gave "nearly identical results"
 #   (Table 3, row E), but the sinusoids "may allow the model to extrapolate to sequence
 #   lengths longer than the ones encountered during training."
@@ -377,7 +362,8 @@ class PositionalEncoding(nn.Module):
 # For independent entries of mean 0 and variance 1, $q \cdot k$ has variance $d_k$:
 # large scores push the softmax towards one-hot, where its gradient nearly vanishes, and
 # dividing by $\sqrt{d_k}$ undoes that. A mask is `True` where a query may look at a key; a masked
-# key gets the lowest score there is, so its weight is zero.
+# key gets the lowest score there is, so its weight is zero (a row always keeps some key:
+# `<s>` is never padding).
 #
 # **Shapes.** B sentences in a batch, source and target lengths S and T, T_q queries and
 # T_k keys. A size of 1 broadcasts: a padding mask of (B, 1, S) serves every query.
@@ -453,7 +439,7 @@ def softmax_peak_and_gradient(*, scale: float, d_k: int, keys: int = 10, rows: i
 #
 # with $d_k = d_v = d_{\text{model}} / h$, so all heads cost about one head of full
 # width. One projection, reshaped into $h$ heads, computes them all at once. `forward`
-# projects and `attend` does the rest, so Part 5's fast decoding can call `attend` alone.
+# projects and `attend` does the rest, so faster decoding (Appendix E) can call `attend` alone.
 
 
 # %%
@@ -467,7 +453,7 @@ class MultiHeadAttention(nn.Module):
         self.h, self.d_k = h, d_model // h
         # W^Q, W^K, W^V (each the h matrices W_i side by side) and W^O
         self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))
-        self.dropout = nn.Dropout(dropout)  # on the attention weights; the paper has none
+        self.dropout = nn.Dropout(dropout)  # on the attention weights; the paper mentions none
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -861,7 +847,7 @@ def count_parameters(model: nn.Module) -> int:
 #
 # The decoder is trained with *teacher forcing*: it reads the true target,
 # `<s>` $y_1 \ldots y_{T-1}$, and at each position predicts the next token, so its
-# answers are $y_1 \ldots y_T$ `</s>`.
+# answers are $y_1 \ldots y_{T-1}$ `</s>`.
 # Two masks go with a batch:
 #
 # * the **padding mask** hides padding from attention;
@@ -885,7 +871,7 @@ class Batch:
         self.src = src  # (B, S)
         self.src_mask = (src != pad_id).unsqueeze(-2)  # (B, 1, S)
         self.tgt_in = tgt[:, :-1]  # (B, T): <s> y_1 ... y_{T-1}
-        self.tgt_out = tgt[:, 1:]  # (B, T): y_1 ... y_T </s>, what must be predicted
+        self.tgt_out = tgt[:, 1:]  # (B, T): y_1 ... y_{T-1} </s>, what must be predicted
         T = self.tgt_in.size(1)
         padding = (self.tgt_in != pad_id).unsqueeze(-2)  # (B, 1, T)
         self.tgt_mask = padding & causal_mask(T, tgt.device)  # (B, T, T)
@@ -919,8 +905,8 @@ class Batch:
 # > BLEU score."
 #
 # The right word gets $1 - \epsilon$; the other words but padding share $\epsilon$
-# evenly. The loss is the Kullback-Leibler divergence from the smoothed $q$ to the
-# model's $p$:
+# evenly. The loss is the Kullback-Leibler divergence, with the smoothed $q$ as the target
+# and the model's $p$ as the guess:
 #
 # $$\mathrm{KL}(q \,\|\, p) = \sum_w q(w) \log q(w) - \sum_w q(w) \log p(w)$$
 #
@@ -2939,7 +2925,8 @@ def relative_rates(total: int, warmup: int, shape: str) -> list[float]:
 # * **Pre-norm layers**: 23.8 against post-norm's 12.5 after 8 minutes, level after 16.
 # * **Small batches** (1,500 tokens, not 2,500): 8.9 and 12.8 against 5.0 and 1.5 after
 #   one epoch (two seeds), level at the end.
-# * **Words, not sub-words**, whose longer sentences fit fewer epochs: 34.1 against 30.9.
+# * **Words, not sub-words** (a sentence of pieces is longer, so fewer epochs fit): 34.1
+#   against 30.9.
 # * **No averaging** of the last epochs' weights (§6.1): averaging the last three moved
 #   BLEU by under 0.1 in the 13-epoch preset, and any average tried by under 0.2.
 # * **$\alpha = 1.0$** beat the paper's 0.6 by 0.2 to 0.4 BLEU (beam, seven comparisons).
@@ -3079,7 +3066,8 @@ class DDPProcesses(Processes):
 #
 # Most large language models since LLaMA (Touvron et al., 2023) change the paper's block
 # in four places: pre-norm, RMSNorm for LayerNorm, rotary embeddings for the sinusoids
-# added to the input, and a gated feed-forward layer, SwiGLU, for the ReLU one. The cpu
+# added to the input, and a gated feed-forward layer, SwiGLU, for the ReLU one. (Most also
+# drop the encoder.) The cpu
 # preset already normalises first (Part 1, after Xiong et al.); the other three are built
 # below.
 
