@@ -17,7 +17,7 @@
 # # The Annotated Transformer, rebuilt
 #
 # This notebook builds the model of *Attention Is All You Need* (Vaswani et al., 2017)
-# one cell at a time, then teaches it to translate German into English, in under half
+# one cell at a time, then teaches it to translate German into English, in about half
 # an hour on two CPU cores. The paper's words and formulas stand above the code that
 # computes them, and small examples assert what the code does.
 
@@ -163,13 +163,13 @@ def set_seed(seed: int) -> None:
 # %% [markdown]
 # ## Background
 #
-# **Attention is a soft lookup.** A Python dictionary gives the value whose key equals
-# the query, and fails on any other. Attention gives an average of the values, each
-# weighted by how well its key matches the query, with weights that sum to 1. A small
-# change to the query changes the answer a little, so training can learn what to ask.
-# Below, "puppy" is none of the three keys, yet puts most weight on dog. Multiplying the
-# scores by 4 makes the weights sharper; Part 1 divides its scores by $\sqrt{d_k}$ instead,
-# because wide vectors give large scores.
+# **Attention is a soft lookup.** A Python dictionary gives the value whose key equals the
+# query, and fails on any other. Attention gives an average of the values, each weighted
+# by how well its key matches the query, with weights that sum to 1. A small change to the
+# query changes the answer a little, so training can learn what to ask. Below, "puppy" is
+# none of the three keys, yet puts most weight on dog. Multiplying the scores by 4 makes
+# the weights sharper; Part 1 divides its scores by $\sqrt{d_k}$ to soften them, as wide
+# vectors give large scores.
 
 # %% active="ipynb"
 # lookup = {"dog": 1.0, "cat": 2.0, "car": 3.0}
@@ -202,18 +202,19 @@ def set_seed(seed: int) -> None:
 # | recurrent | $n \cdot d^2$ | $n$ | $n$ |
 # | convolutional, kernel $k$, dilated | $k \cdot n \cdot d^2$ | 1 | $\log_k n$ |
 #
-# The work is of one order: sentences here (about 15 tokens) are shorter than the vectors
-# are wide (512 in the base model), so attention's $n^2 \cdot d$ is the smaller, but its
-# four projections, left out of the table, add $4 \cdot n \cdot d^2$. Attention wins the
-# last two columns outright. Convolutional translators (ByteNet, ConvS2S) had already
-# stopped the waiting, but linked distant words only through a stack of layers (§2).
+# On work, neither wins clearly: sentences here (about 15 tokens) are shorter than the
+# vectors are wide (512 in the base model), so attention's $n^2 \cdot d$ is the smaller,
+# but its four projections, left out of the table, add $4 \cdot n \cdot d^2$. Against
+# recurrence, attention wins the last two columns outright. Convolutions (ByteNet,
+# ConvS2S) had stopped the waiting, but link distant words only through a stack of layers
+# (§2).
 #
-# The cell below shows both columns on 15 random words. A recurrent layer takes 15 steps,
-# each waiting for the one before, and a nudge to the first word reaches the last state
-# through 14 of them. Each multiplies it by the weights and by tanh's slope, at most 1: with
-# these weights, which halve a vector, at most $0.5^{14}$ is left. (Weights that lengthen a
-# vector make it explode instead; LSTMs ease both, but the path stays 14 steps long.)
-# Self-attention reaches the first word in one product, with about its weight, 1/15.
+# The cell below shows the last two columns on 15 random words. A recurrent layer takes 15
+# steps, each waiting for the one before, and a nudge to the first word reaches the last
+# state through 14 of them. Each multiplies it by the weights, here a halving, and by
+# tanh's slope, at most 1: at most $0.5^{14}$ is left. (LSTMs ease the fading, and
+# clipping its opposite, explosion; the path stays 14 steps long.) Self-attention reaches
+# the first word in one product, with about its weight, 1/15.
 
 # %% active="ipynb"
 # torch.manual_seed(0)
@@ -275,7 +276,7 @@ class TokenEmbedding(nn.Module):
 # %% [markdown]
 # ### Positional encoding (§3.5)
 #
-# Attention treats its input as a set (shuffled words give shuffled outputs), so the
+# Attention without a mask treats its input as a set (shuffled words give shuffled outputs), so the
 # paper adds to each embedding a fixed vector that says where the token stands:
 #
 # $$PE_{(pos, 2i)} = \sin\left(pos / 10000^{2i/d_{\text{model}}}\right) \qquad
@@ -359,11 +360,11 @@ class PositionalEncoding(nn.Module):
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\left(\frac{QK^T}{\sqrt{d_k}}\right)V$$
 #
-# For independent entries of mean 0 and variance 1, $q \cdot k$ has variance $d_k$:
-# large scores push the softmax towards one-hot, where its gradient nearly vanishes, and
-# dividing by $\sqrt{d_k}$ undoes that. A mask is `True` where a query may look at a key; a masked
-# key gets the lowest score there is, so its weight is zero (a row always keeps some key:
-# `<s>` is never padding).
+# For independent entries of mean 0 and variance 1, $q \cdot k$ has variance $d_k$: large
+# scores, the paper suspects, push the softmax towards one-hot, where its gradient nearly
+# vanishes; dividing by $\sqrt{d_k}$ undoes that. A mask is `True` where a query may look
+# at a key; a masked key gets the lowest score there is, so its weight is zero (a row
+# always keeps some key: `<s>` is never padding).
 #
 # **Shapes.** B sentences in a batch, source and target lengths S and T, T_q queries and
 # T_k keys. A size of 1 broadcasts: a padding mask of (B, 1, S) serves every query.
@@ -453,7 +454,8 @@ class MultiHeadAttention(nn.Module):
         self.h, self.d_k = h, d_model // h
         # W^Q, W^K, W^V (each the h matrices W_i side by side) and W^O
         self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))
-        self.dropout = nn.Dropout(dropout)  # on the attention weights; the paper mentions none
+        # dropout on the attention weights: 0 in our layers, as the paper mentions none
+        self.dropout = nn.Dropout(dropout)
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -1343,7 +1345,7 @@ def copy_batch(batch_size: int, length: int, generator: torch.Generator) -> Batc
 # After every epoch, `until` tests the model; training stops once it passes, or after
 # `max_steps`. The test is the proof itself: greedy decoding must give back every
 # held-out sequence unchanged. Decoding feeds the model its own outputs, as translation
-# does, so one wrong digit derails the rest.
+# does, so one wrong digit fails the proof.
 
 
 # %%
@@ -1444,7 +1446,7 @@ def without_causal_mask(batch_size: int, length: int, generator: torch.Generator
 # makes it a translator.*
 #
 # Multi30k (Elliott et al., 2016) pairs about 31,000 English image captions with German
-# translations, learnable on two CPU cores in under half an hour. The paper trained on WMT
+# translations, learnable on two CPU cores in about half an hour. The paper trained on WMT
 # 2014's 4.5 million sentence pairs; Multi30k's captions all describe pictures, so a
 # small vocabulary covers most of them.
 #
@@ -1966,7 +1968,7 @@ class CachedPrefix(FullPrefix):
 #
 # * after each epoch, the validation loss and BLEU, and three sentences to watch;
 # * a checkpoint at each epoch's end, so that a stopped run goes on from there;
-# * optionally, the average of the last epochs' weights, as the paper did (§6.1).
+# * optionally, the average of the last epochs' weights, as the paper averaged checkpoints (§6.1).
 #
 # Every setting that shapes what is learned is fixed before the first step, and shown in
 # the table below.
@@ -2134,7 +2136,7 @@ def train(settings, data: Multi30k, folder, *, device, processes=Processes(), bu
 
 
 # %% [markdown]
-# With the cpu preset this cell trains for 14-25 minutes on two cores: read on
+# With the cpu preset this cell trains for 15-30 minutes on two cores: read on
 # meanwhile. Interrupt the kernel and run the cell again, and it goes on from the last
 # finished epoch; a finished run loads in seconds. An edit to code that trains, such as
 # `attention`, trains a new model beside the old one, and `retrain=True` starts afresh.
@@ -2657,7 +2659,7 @@ def attention_explorer(weights: list[Tensor], queries: list[str], keys: list[str
 # * **Data** (§5.1): 4.5 million English-German sentence pairs. Here: 29,000.
 # * **Vocabulary** (§5.1): a shared byte-pair vocabulary of about 37,000 tokens. Here:
 #   words.
-# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 14-25 minutes.
+# * **Hardware** (§5.2): 8 P100 GPUs for 12 hours. Here: 2 CPU cores, 15-30 minutes.
 # * **Model**: N = 6, $d_{\text{model}}$ = 512, post-norm. Here: smaller, pre-norm.
 # * **Averaging** (§6.1): the last 5 checkpoints. Here: none.
 #
