@@ -1650,6 +1650,7 @@ def vocabularies(train_tokens: dict, min_freq: int = 2) -> dict:
 
 # %%
 Pair = tuple[list[int], list[int]]  # (source ids, target ids), both with <s> ... </s>
+MAX_TRAIN_LEN = 64  # the longest pair kept for training, in tokens with <s> and </s>
 
 
 def encode_pairs(tokens: dict, vocabs: dict, max_train_len: int | None = None) -> list[Pair]:
@@ -1760,7 +1761,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
     vocabs = make_vocabs(tokens["train"])
     return Multi30k(
         vocabs=vocabs,
-        train=encode_pairs(tokens["train"], vocabs, max_train_len=64),  # longer ones go
+        train=encode_pairs(tokens["train"], vocabs, MAX_TRAIN_LEN),
         val=encode_pairs(tokens["val"], vocabs),
         test=encode_pairs(tokens["test_2016_flickr"], vocabs),
         val_text=text["val"],
@@ -1769,7 +1770,7 @@ def prepare_data(settings: Settings, data_dir: Path = DATA_DIR, make_vocabs=voca
 
 
 # %% active="ipynb"
-# full_train = encode_pairs(tokens["train"], vocabs, max_train_len=64)  # as prepare_data
+# full_train = encode_pairs(tokens["train"], vocabs, MAX_TRAIN_LEN)
 # epoch_batches = bucket_batches(full_train, settings.batch_tokens, seed=settings.seed, epoch=0)
 # efficiency = padding_efficiency(full_train, epoch_batches)
 # print(f"{len(full_train):,} pairs in {len(epoch_batches)} batches, {efficiency:.1%} real")

@@ -200,7 +200,7 @@ def real_train(tmp_path_factory, multi30k):
     tokens = at.tokenize_pairs(text, at.make_tokenizers())
     vocabs = at.vocabularies(tokens)
     mp.undo()
-    return settings, vocabs, at.encode_pairs(tokens, vocabs, max_train_len=64)
+    return settings, vocabs, at.encode_pairs(tokens, vocabs, at.MAX_TRAIN_LEN)
 
 
 def test_vocabulary_comes_from_training_data_only(real_train):

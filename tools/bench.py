@@ -420,7 +420,7 @@ def race_pairs(settings, text, tokens, vocabs, sizes: Sizes) -> dict:
     Pairs are drawn in a seeded random order, skipping any longer than our max_train_len or
     the reference's 72 tokens, so that neither pipeline drops or cuts a token of them.
     """
-    limit = min(64, REFERENCE["max_padding"])  # 64: the longest pair prepare_data keeps
+    limit = min(at.MAX_TRAIN_LEN, REFERENCE["max_padding"])
     order = torch.randperm(len(text), generator=torch.Generator().manual_seed(settings.seed))
     fits = [
         i for i in order.tolist() if max(len(tokens["de"][i]), len(tokens["en"][i])) + 2 <= limit
@@ -579,7 +579,7 @@ def compare_padding(settings, data: at.Multi30k, tokens: dict) -> dict:
         "ours_pairs": len(data.train),
         "reference_pairs": len(tokens["de"]),
         "how": "tokens counted with <s> and </s>. Ours: the bucketed batches of epoch 0 "
-        "over the training pairs that prepare_data keeps (64 tokens at most). Reference: every "
+        f"over the training pairs kept by MAX_TRAIN_LEN={at.MAX_TRAIN_LEN}. Reference: every "
         f"training pair, each side cut to {width} tokens and padded to {width}",
     }
 
